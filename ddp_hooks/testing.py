@@ -1,0 +1,309 @@
+"""Run a function on several CPU processes in a gloo group, and compare replicas.
+
+This is the harness behind the package's own multi-process tests, public so
+that downstream code can test its hooks the same way::
+
+    from ddp_hooks.testing import run_distributed
+
+    def body(rank, world_size):
+        import torch, torch.distributed as dist
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t)
+        return t.item()
+
+    assert run_distributed(body, world_size=2) == [1.0, 1.0]
+
+Design (each point is a trap some harness fell into):
+
+* ``spawn`` start method, so children never inherit a half-initialised torch
+  or process group from the parent.
+* The rendezvous is a ``FileStore`` in a fresh temporary folder: no port to
+  collide with a concurrent test run.
+* Children are joined against one deadline; when it passes, every live child
+  is killed and joined (no zombies) and ``TimeoutError`` names them.
+* A child's exception is pickled back and re-raised in the parent with the
+  child's traceback attached as its ``__cause__``; a child that dies without
+  reporting (a crash, ``os._exit``) raises :class:`ChildFailedError`.  A
+  harness that only checks exit codes, or swallows failures, makes every
+  test pass: ``tests/test_testing.py`` checks that this one does not.
+* A child that returned its result leaves through ``os._exit`` right after
+  ``destroy_process_group``: gloo's teardown aborts now and then at
+  interpreter exit ("terminate called without an active exception") even in
+  plain DDP, and that must not be reported as a test failure.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+__all__ = [
+    "ChildFailedError",
+    "RemoteTraceback",
+    "run_distributed",
+    "assert_replicas_equal",
+    "free_port",
+]
+
+
+class ChildFailedError(RuntimeError):
+    """A child process failed without an exception that could be re-raised."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"rank {rank}: {message}")
+        self.rank = rank
+
+
+class RemoteTraceback(Exception):
+    """Carries a child's formatted traceback; set as ``__cause__`` of the re-raised error."""
+
+    def __init__(self, rank: int, text: str):
+        super().__init__(f"traceback of rank {rank}:\n{text}")
+        self.rank = rank
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (for torchrun or TCP stores)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_atomic(path: str, payload: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def _child_main(fn, rank, world_size, store_path, result_dir, backend, timeout, args, kwargs):
+    import torch
+    import torch.distributed as dist
+
+    # Several ranks share few cores: one intra-op thread each avoids
+    # oversubscription that makes a 4-rank test on 2 cores crawl.
+    torch.set_num_threads(1)
+    result_path = os.path.join(result_dir, f"rank{rank}.pkl")
+    exit_code = 0
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        value = fn(rank, world_size, *args, **kwargs)
+        payload = {"ok": True, "value": value}
+        try:
+            pickle.dumps(payload)
+        except Exception as exc:  # the function's return value must travel back
+            raise TypeError(
+                f"run_distributed: the return value of {getattr(fn, '__name__', fn)!r} on rank {rank} "
+                f"cannot be pickled ({exc}); return plain Python values or CPU tensors"
+            ) from exc
+        _write_atomic(result_path, payload)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        failed_at = time.time()
+        exit_code = 1
+        text = traceback.format_exc()
+        try:
+            blob = pickle.dumps(exc)
+            pickle.loads(blob)
+        except Exception:
+            blob = None
+        _write_atomic(result_path, {"ok": False, "exc": blob, "type": type(exc).__name__,
+                                    "message": str(exc), "traceback": text,
+                                    "failed_at": failed_at})
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except BaseException:
+            pass
+        os._exit(exit_code)
+
+
+def _read_result(result_dir: str, rank: int) -> Optional[dict]:
+    path = os.path.join(result_dir, f"rank{rank}.pkl")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _raise_child_error(rank: int, res: dict):
+    remote = RemoteTraceback(rank, res["traceback"])
+    exc = pickle.loads(res["exc"]) if res["exc"] is not None else None
+    if exc is None:
+        exc = ChildFailedError(rank, f"{res['type']}: {res['message']}")
+    raise exc from remote
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
+
+    Each process joins a fresh process group (``backend``, default gloo on
+    CPU) before ``fn`` runs and leaves it afterwards.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size (int): number of processes, >= 1.
+        *args, **kwargs: passed to ``fn``; must be picklable.
+        timeout (float): seconds for the whole run, also used as the process
+            group's collective timeout.
+        backend (str): ``torch.distributed`` backend.
+
+    Returns:
+        The list of the ranks' return values, indexed by rank.
+
+    Raises:
+        The first failing rank's own exception (its traceback as ``__cause__``),
+        :class:`ChildFailedError` for a child that died without reporting, and
+        ``TimeoutError`` when ranks were still running at the deadline (they
+        are killed first).
+
+    Example::
+
+        >>> from ddp_hooks.testing import run_distributed
+        >>> run_distributed(_doctest_rank_times_ten, world_size=2)
+        [0, 10]
+    """
+    import multiprocessing
+
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"`world_size` must be an int >= 1, got {world_size!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
+    ctx = multiprocessing.get_context("spawn")
+    workdir = tempfile.mkdtemp(prefix="ddp_hooks_run_")
+    store_path = os.path.join(workdir, "store")
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child_main,
+                args=(fn, rank, world_size, store_path, workdir, backend, timeout, args, kwargs),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout
+        failed_rank = None
+        while True:
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            # A rank that reported an error ends the run: the others may be
+            # blocked forever in a collective waiting for it.
+            for r, p in enumerate(procs):
+                if not p.is_alive():
+                    res = _read_result(workdir, r)
+                    if res is None or not res["ok"]:
+                        failed_rank = r
+                        break
+            if failed_rank is not None or not alive:
+                break
+            if time.monotonic() > deadline:
+                for r in alive:
+                    procs[r].kill()
+                for p in procs:
+                    p.join()
+                raise TimeoutError(
+                    f"run_distributed: ranks {alive} of {world_size} still running after "
+                    f"{timeout:g} s; they were killed"
+                )
+            procs[alive[0]].join(0.05)
+        if failed_rank is not None:
+            # Give the others a moment to report their own errors, then stop them.
+            grace = time.monotonic() + 2.0
+            for p in procs:
+                p.join(max(0.0, grace - time.monotonic()))
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            # Report the rank that failed first: the others usually fail
+            # because it left (gloo's "Connection closed by peer").
+            reports = {r: _read_result(workdir, r) for r in range(world_size)}
+            errors = {r: res for r, res in reports.items() if res is not None and not res["ok"]}
+            if reports[failed_rank] is not None and errors:
+                # (a rank that died silently is itself the likely cause: keep it)
+                failed_rank = min(errors, key=lambda r: errors[r]["failed_at"])
+            res = reports[failed_rank]
+            if res is None:
+                raise ChildFailedError(
+                    failed_rank,
+                    f"exited with code {procs[failed_rank].exitcode} without reporting a result",
+                )
+            _raise_child_error(failed_rank, res)
+        results = []
+        for r, p in enumerate(procs):
+            p.join()
+            res = _read_result(workdir, r)
+            if res is None:  # pragma: no cover - covered by the loop above
+                raise ChildFailedError(r, f"exited with code {p.exitcode} without reporting a result")
+            results.append(res["value"])
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _doctest_rank_times_ten(rank: int, world_size: int) -> int:
+    return rank * 10
+
+
+def assert_replicas_equal(module, process_group=None, atol: float = 0.0, rtol: float = 0.0) -> None:
+    """Assert that every rank holds the same parameters and buffers as rank 0.
+
+    Call it on every rank (it runs one ``all_gather`` per tensor); on a
+    mismatch every rank raises the same ``AssertionError`` naming the first
+    differing tensor, the rank and the largest difference. With the default
+    tolerances the check is bitwise.
+
+    Args:
+        module (torch.nn.Module): the model (a DDP wrapper works too).
+        process_group: the group to compare across (default: the world).
+        atol, rtol (float): tolerances passed to ``torch.allclose``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(process_group)
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    for name, tensor in named:
+        local = tensor.detach().contiguous()
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=process_group)
+        ref = gathered[0]
+        for r in range(1, world):
+            other = gathered[r]
+            same = torch.equal(ref, other) if atol == 0 and rtol == 0 else torch.allclose(
+                ref, other, atol=atol, rtol=rtol, equal_nan=True
+            )
+            if not same:
+                diff = (ref.double() - other.double()).abs().max().item() if ref.is_floating_point() else "n/a"
+                raise AssertionError(
+                    f"replicas differ: tensor {name!r} on rank {r} differs from rank 0 "
+                    f"(max abs difference {diff}, atol={atol}, rtol={rtol})"
+                )

@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_globals():
+    """Tests may change the default dtype or the global RNG; put them back."""
+    dtype = torch.get_default_dtype()
+    rng = torch.random.get_rng_state()
+    yield
+    torch.set_default_dtype(dtype)
+    torch.random.set_rng_state(rng)
