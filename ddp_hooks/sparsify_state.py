@@ -1,0 +1,294 @@
+"""Configuration, per-bucket residuals and counters of the sparsifying hook."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._validate import check_bool, check_choice, check_float, check_int, check_process_group
+from .residuals import Layout, ResidualStore
+from .selection import METHODS
+from .stats import CommStats
+
+logger = logging.getLogger(__name__)
+
+SCOPES = ("layer", "bucket", "global")
+AGGREGATIONS = ("allreduce", "allgather")
+_STATE_VERSION = 1
+_INT64_MAX = (1 << 63) - 1
+
+
+class SparsifyState:
+    r"""State of :func:`~ddp_hooks.sparsify_hook`: options, residuals, step counter, stats.
+
+    Every argument is checked here, before anything touches
+    ``torch.distributed``, so a bad configuration fails at once.
+
+    Args:
+        process_group: the group to communicate in; ``None`` is the default group.
+        method (str): ``"topk"``, ``"randomk"`` or ``"random_block"`` (the
+            paper's proposal: one wrapped block per unit, almost free to select).
+        density (float): fraction of entries sent per unit, in (0, 1]; each
+            unit sends ``ceil(density * numel)`` entries.
+        scope (str): the unit of selection: ``"layer"`` (each parameter has its
+            own budget, so every layer is updated every step), ``"bucket"``
+            (DDP's flat bucket), ``"global"`` (all buckets of a step together;
+            the exchange waits for the last bucket).
+        aggregation (str): ``"allreduce"``: all ranks pick the same coordinates
+            from ``(seed, step, unit)`` and only the values travel (random
+            methods only); ``"allgather"``: each rank picks its own
+            coordinates; top-k sends values and int32 positions, the random
+            methods send values only, since every rank can recompute every
+            other rank's positions from ``(seed, step, unit, rank)``.
+        error_feedback (bool): keep what was not sent and add it next step.
+        warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps.
+        seed (int): seed of the random selectors, in [0, 2**63 - 1].
+
+    The error-feedback recursion (Eghlidi & Jaggi 2020, arXiv 2009.09271;
+    residual ``e`` starts at 0 and is kept per rank in float32):
+
+    .. math:: p_t = g_t + e_t,\quad c_t = C_k(p_t),\quad e_{t+1} = p_t - c_t,
+              \quad \hat g_t = \tfrac{1}{W}\textstyle\sum_{r} c_t^{(r)}
+
+    Example::
+
+        >>> from ddp_hooks import SparsifyState
+        >>> state = SparsifyState(method="random_block", density=0.01)
+        >>> state.step
+        0
+        >>> SparsifyState(method="topk", aggregation="allreduce")
+        Traceback (most recent call last):
+        ...
+        ValueError: `aggregation`='allreduce' cannot be used with `method`='topk': ...
+    """
+
+    __slots__ = (
+        # options, fixed at construction
+        "process_group", "method", "density", "scope", "aggregation", "error_feedback",
+        "warmup_steps", "seed",
+        # the step counter: advances once per backward, on the last bucket
+        "step",
+        # error feedback and counters
+        "residuals", "_stats",
+        # bound lazily at the first hook call
+        "_group", "_rank", "_world_size", "_checked",
+        "_param_keys", "_layouts", "_pending_global", "_loaded_meta",
+    )
+
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        method: str = "random_block",
+        density: float = 0.01,
+        scope: str = "layer",
+        aggregation: str = "allreduce",
+        error_feedback: bool = True,
+        warmup_steps: int = 0,
+        seed: int = 0,
+    ) -> None:
+        check_process_group("process_group", process_group)
+        self.method = check_choice("method", method, METHODS, "the coordinate selector")
+        self.density = check_float(
+            "density", density, 0.0, 1.0, low_open=True,
+            reason="it is the fraction of gradient entries each rank sends per step",
+        )
+        self.scope = check_choice("scope", scope, SCOPES, "the unit that gets its own budget")
+        self.aggregation = check_choice("aggregation", aggregation, AGGREGATIONS, "how ranks combine their entries")
+        self.error_feedback = check_bool("error_feedback", error_feedback)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "the number of dense steps before sparsifying")
+        self.seed = check_int("seed", seed, 0, "it seeds the random selectors", maximum=_INT64_MAX)
+        if self.method == "topk" and self.aggregation == "allreduce":
+            raise ValueError(
+                "`aggregation`='allreduce' cannot be used with `method`='topk': each rank's top-k entries sit "
+                "at different positions, so values alone cannot be summed; use aggregation='allgather'"
+            )
+        if self.density == 1.0:
+            warnings.warn("SparsifyState: density=1 sends every entry; the hook then costs a plain allreduce "
+                          "plus bookkeeping", stacklevel=2)
+        self.process_group = process_group
+        self.step = 0
+        self.residuals = ResidualStore()
+        self._stats = CommStats()
+        self._group = None
+        self._rank = 0
+        self._world_size = 1
+        self._checked = False
+        self._param_keys: Dict[int, int] = {}
+        self._layouts: Dict[int, Tuple[Tuple[int, ...], Layout]] = {}
+        self._pending_global: list = []
+        self._loaded_meta: Optional[Dict[str, int]] = None
+
+    # ----- options as ints, for checkpoints and the cross-rank check -----
+    def _config_ints(self) -> Dict[str, int]:
+        return {
+            "method": METHODS.index(self.method),
+            "scope": SCOPES.index(self.scope),
+            "aggregation": AGGREGATIONS.index(self.aggregation),
+            "density_e9": round(self.density * 1e9),
+            "error_feedback": int(self.error_feedback),
+            "warmup_steps": self.warmup_steps,
+            "seed": self.seed,
+        }
+
+    def _describe(self, ints: Dict[str, int]) -> str:
+        return (f"method={METHODS[ints['method']]!r}, density={ints['density_e9'] / 1e9:g}, "
+                f"scope={SCOPES[ints['scope']]!r}, aggregation={AGGREGATIONS[ints['aggregation']]!r}, "
+                f"error_feedback={bool(ints['error_feedback'])}, warmup_steps={ints['warmup_steps']}, "
+                f"seed={ints['seed']}")
+
+    # ----- binding to the process group, at the first hook call -----
+    def _bind(self, bucket: dist.GradBucket) -> None:
+        if self._checked:
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("sparsify_hook was called but torch.distributed has no process group; "
+                               "call torch.distributed.init_process_group before training")
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        device = bucket.buffer().device
+        backend = str(dist.get_backend(group))
+        if device.type == "cpu" and backend == "nccl":
+            raise RuntimeError(f"gradients are on the CPU but the process group's backend is {backend!r}, "
+                               "which only moves GPU tensors; use a gloo group for CPU training")
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+        self._check_same_config_on_all_ranks(device)
+        self._check_loaded_meta()
+        self._checked = True
+        if self._rank == 0:
+            logger.info("sparsify_hook: %s on %d ranks", self._describe(self._config_ints()), self._world_size)
+
+    def _check_same_config_on_all_ranks(self, device: torch.device) -> None:
+        """One small allgather at the first step: every rank fails alike on a mismatch."""
+        if self._world_size == 1:
+            return
+        mine = torch.tensor(list(self._config_ints().values()), dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(self._world_size)]
+        dist.all_gather(rows, mine, group=self._group)
+        names = list(self._config_ints())
+        for r, row in enumerate(rows):
+            if not torch.equal(row, rows[0]):
+                theirs = dict(zip(names, row.tolist()))
+                first = dict(zip(names, rows[0].tolist()))
+                raise ValueError(
+                    "ranks were built with different SparsifyState options: rank 0 has "
+                    f"{self._describe(first)} but rank {r} has {self._describe(theirs)}; "
+                    "every rank must select and aggregate alike"
+                )
+
+    def _check_loaded_meta(self) -> None:
+        meta = self._loaded_meta
+        if meta is None:
+            return
+        if meta["world_size"] != self._world_size:
+            raise ValueError(
+                f"the hook state was saved on {meta['world_size']} ranks but this run has {self._world_size}: "
+                "error-feedback residuals belong to one rank each and cannot be redistributed; "
+                "resume on the same number of ranks, or drop the residuals with load_state_dict(sd, "
+                "residuals=False)"
+            )
+        if meta["rank"] != self._rank:
+            raise ValueError(f"rank {self._rank} loaded the hook state saved by rank {meta['rank']}: "
+                             "each rank must load its own file, since residuals differ per rank")
+
+    # ----- the layout of a bucket: (parameter key, offset, numel) -----
+    def _layout(self, bucket: dist.GradBucket) -> Layout:
+        params = bucket.parameters()
+        ids = tuple(id(p) for p in params)
+        cached = self._layouts.get(bucket.index())
+        if cached is not None and cached[0] == ids:
+            return cached[1]
+        buffer = bucket.buffer()
+        base, size = buffer.data_ptr(), buffer.element_size()
+        layout = []
+        for p, g in zip(params, bucket.gradients()):
+            key = self._param_keys.setdefault(id(p), len(self._param_keys))
+            layout.append((key, (g.data_ptr() - base) // size, g.numel()))
+        layout = tuple(layout)
+        self._layouts[bucket.index()] = (ids, layout)
+        return layout
+
+    def _end_step(self, last_index: int, compressed: bool) -> None:
+        self.step += 1
+        self._stats.steps += 1
+        self._stats.compressed_steps += int(compressed)
+        self.residuals.drop_buckets_after(last_index)
+        for index in [i for i in self._layouts if i > last_index]:
+            del self._layouts[index]
+        if self.residuals.pending_keys:
+            raise ValueError(
+                f"the loaded hook state holds residuals for parameters {self.residuals.pending_keys} that this "
+                "model does not have: the state was saved from a different model"
+            )
+
+    # ----- public API -----
+    def stats(self) -> Dict[str, float]:
+        """Counts since the start: steps, elements and bytes sent vs dense, and their ratio."""
+        return self._stats.as_dict()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Step, residuals (this rank's), counters and options; tensors and ints only.
+
+        Loads with ``torch.load(..., weights_only=True)``. Residuals differ per
+        rank: every rank saves and loads its own.
+        """
+        if self._pending_global:
+            raise RuntimeError("state_dict() was called in the middle of a backward pass")
+        return {
+            "version": _STATE_VERSION,
+            "step": self.step,
+            "config": self._config_ints(),
+            "rank": self._rank if self._checked else (self._loaded_meta or {}).get("rank", 0),
+            "world_size": self._world_size if self._checked else (self._loaded_meta or {}).get("world_size", 1),
+            "residuals": self.residuals.state() if self.error_feedback else {},
+            "stats": self._stats.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any], residuals: bool = True) -> None:
+        """Restore a :meth:`state_dict` saved by this rank with the same options.
+
+        Refused with ``ValueError``: other options (method, density, scope,
+        aggregation, error feedback, warm-up, seed), and, at the first step,
+        another world size, another rank or another model's residuals.
+        With ``residuals=False`` the residuals are dropped (they restart at 0)
+        and the world size may differ; the step and counters are kept.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"`state_dict` must be a dict from SparsifyState.state_dict(), got {type(state_dict).__name__}")
+        missing = {"version", "step", "config", "rank", "world_size", "residuals", "stats"} - set(state_dict)
+        if missing:
+            raise ValueError(f"`state_dict` lacks {sorted(missing)}: it is not a SparsifyState.state_dict()")
+        if state_dict["version"] != _STATE_VERSION:
+            raise ValueError(f"hook state version {state_dict['version']!r} is not supported (expected {_STATE_VERSION})")
+        saved, mine = state_dict["config"], self._config_ints()
+        if saved != mine:
+            raise ValueError(
+                f"the hook state was saved with {self._describe(saved)} but this SparsifyState has "
+                f"{self._describe(mine)}; build the state with the saved options to resume"
+            )
+        check_int("state_dict['step']", state_dict["step"], 0)
+        self.step = state_dict["step"]
+        self._stats.load_state_dict(state_dict["stats"])
+        self.residuals.load(state_dict["residuals"] if residuals else {})
+        self._layouts.clear()
+        self._loaded_meta = {"rank": state_dict["rank"], "world_size": state_dict["world_size"]} if residuals else None
+        if self._checked:
+            self._check_loaded_meta()
+
+    def __getstate__(self):
+        """Pickle support, as PyTorch's PowerSGDState: the process group is not serialisable and is dropped."""
+        logger.warning("SparsifyState: the process group is not serialisable and is excluded from the pickle")
+        return {"options": {"method": self.method, "density": self.density, "scope": self.scope,
+                            "aggregation": self.aggregation, "error_feedback": self.error_feedback,
+                            "warmup_steps": self.warmup_steps, "seed": self.seed},
+                "state": self.state_dict()}
+
+    def __setstate__(self, blob) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.__init__(process_group=None, **blob["options"])
+        self.load_state_dict(blob["state"])
