@@ -1,0 +1,133 @@
+"""Single-process checks: option validation, selectors, residual store, seeds."""
+
+import pytest
+import torch
+
+from ddp_hooks import SparsifyState
+from ddp_hooks.residuals import ResidualStore
+from ddp_hooks.seeding import SHARED, derive_seed
+from ddp_hooks.selection import Unit, budget, random_subset, select
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", [
+    ({"method": "top_k"}, ValueError, r"`method` must be one of 'topk', 'randomk', 'random_block', got 'top_k'"),
+    ({"density": 0}, ValueError, r"`density` must be a float in \(0, 1\], got 0.0; it is the fraction"),
+    ({"density": 1.5}, ValueError, r"`density` must be a float in \(0, 1\], got 1.5"),
+    ({"density": float("nan")}, ValueError, r"`density` must be a float in \(0, 1\], got nan"),
+    ({"density": "0.1"}, TypeError, r"`density` must be a float, got '0.1' of type str"),
+    ({"density": True}, TypeError, r"`density` must be a float, got True"),
+    ({"scope": "model"}, ValueError, r"`scope` must be one of 'layer', 'bucket', 'global', got 'model'"),
+    ({"aggregation": "sum"}, ValueError, r"`aggregation` must be one of 'allreduce', 'allgather', got 'sum'"),
+    ({"error_feedback": 1}, TypeError, r"`error_feedback` must be a bool, got 1 of type int"),
+    ({"warmup_steps": -1}, ValueError, r"`warmup_steps` must be an int >= 0, got -1"),
+    ({"warmup_steps": 2.0}, TypeError, r"`warmup_steps` must be an int, got 2.0"),
+    ({"seed": -3}, ValueError, r"`seed` must be an int in \[0, 9223372036854775807\], got -3"),
+    ({"process_group": "world"}, TypeError, r"`process_group` must be None .* got 'world' of type str"),
+    ({"method": "topk", "aggregation": "allreduce"}, ValueError, r"cannot be used with `method`='topk'"),
+])
+def test_bad_options_are_refused_before_any_process_group(kwargs, exc, pattern):
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(exc, match=pattern):
+        SparsifyState(**kwargs)
+
+
+def test_density_one_warns():
+    with pytest.warns(UserWarning, match="density=1 sends every entry"):
+        SparsifyState(density=1.0)
+
+
+def test_budget_rounds_up_without_float_noise():
+    assert budget(100, 0.07) == 7
+    assert budget(1000, 0.01) == 10
+    assert budget(3, 0.01) == 1
+    assert budget(5, 1.0) == 5
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "random_block"])
+def test_selectors_keep_exactly_k_distinct_positions_inside_each_unit(method):
+    p = torch.randn(100_000 + 37)
+    units = [Unit(0, 0, 37), Unit(1, 37, 100_000)]
+    idx = select(method, p, units, 0.03, seed=1, step=4)
+    assert idx.numel() == budget(37, 0.03) + budget(100_000, 0.03)
+    assert idx.unique().numel() == idx.numel()
+    first = idx[: budget(37, 0.03)]
+    assert torch.all(first < 37) and torch.all(idx[budget(37, 0.03):] >= 37)
+
+
+def test_topk_keeps_the_largest_magnitudes():
+    p = torch.tensor([0.1, -5.0, 0.3, 4.0, -0.2, 0.0])
+    assert sorted(select("topk", p, [Unit(0, 0, 6)], 0.34, 0, 0).tolist()) == [1, 2, 3]  # k = ceil(2.04) = 3
+
+
+def test_random_block_wraps_around_the_end_of_the_unit():
+    n, k = 50, 10
+    wrapped = False
+    for step in range(200):
+        idx = select("random_block", torch.zeros(n), [Unit(0, 0, n)], k / n, seed=0, step=step)
+        start = idx[0].item()
+        assert idx.tolist() == [(start + j) % n for j in range(k)]
+        wrapped |= start > n - k
+    assert wrapped
+
+
+@pytest.mark.parametrize("method", ["randomk", "random_block"])
+def test_every_coordinate_is_equally_likely(method):
+    n, k, steps = 40, 4, 4000
+    counts = torch.zeros(n)
+    for step in range(steps):
+        counts[select(method, torch.zeros(n), [Unit(0, 0, n)], k / n, seed=5, step=step)] += 1
+    expected = steps * k / n  # 400; a start drawn from [0, n-k] would give the edges ~1/k of that
+    assert counts.min() > 0.8 * expected and counts.max() < 1.2 * expected
+
+
+def test_random_choice_is_a_function_of_seed_step_unit_and_rank():
+    args = dict(values=torch.zeros(1000), units=[Unit(3, 0, 1000)], density=0.05)
+    a = select("randomk", seed=9, step=2, **args)
+    assert torch.equal(a, select("randomk", seed=9, step=2, **args))
+    assert not torch.equal(a, select("randomk", seed=9, step=3, **args))
+    assert not torch.equal(a, select("randomk", seed=9, step=2, rank=1, **args))
+    assert derive_seed(9, 2, 3, SHARED) != derive_seed(9, 2, 3, 0)
+
+
+def test_large_random_subset_is_uniform_and_distinct():
+    gen = torch.Generator().manual_seed(0)
+    idx = random_subset(10_000_000, 100_000, gen, torch.device("cpu"))
+    assert idx.unique().numel() == 100_000
+    assert abs(idx.double().mean().item() - 5e6) < 5e4
+
+
+def test_selection_does_not_touch_the_global_rng():
+    state = torch.random.get_rng_state()
+    select("randomk", torch.zeros(1000), [Unit(0, 0, 1000)], 0.1, seed=0, step=0)
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_residuals_follow_their_parameters_across_a_rebuild():
+    store = ResidualStore()
+    cpu = torch.device("cpu")
+    a = store.bucket_residual(0, ((0, 0, 2), (1, 2, 3)), 5, cpu)
+    a.copy_(torch.arange(5.0))
+    # rebuild: parameter 1 moves to bucket 0 alone, parameter 0 to bucket 1
+    b0 = store.bucket_residual(0, ((1, 0, 3),), 3, cpu)
+    b1 = store.bucket_residual(1, ((0, 0, 2),), 2, cpu)
+    assert b0.tolist() == [2.0, 3.0, 4.0] and b1.tolist() == [0.0, 1.0]
+    assert store.total().item() == 10.0
+
+
+def test_loaded_residual_of_another_model_is_refused():
+    store = ResidualStore()
+    store.load({0: torch.ones(4)})
+    with pytest.raises(ValueError, match="residual of parameter #0 has 4 elements but the parameter has 6"):
+        store.bucket_residual(0, ((0, 0, 6),), 6, torch.device("cpu"))
+
+
+def test_state_dict_loads_with_weights_only(tmp_path):
+    st = SparsifyState(method="randomk", density=0.2, seed=4)
+    st.residuals.load({0: torch.ones(3)})
+    torch.save(st.state_dict(), tmp_path / "s.pt")
+    sd = torch.load(tmp_path / "s.pt", weights_only=True)
+    other = SparsifyState(method="randomk", density=0.2, seed=4)
+    other.load_state_dict(sd)
+    assert torch.equal(other.state_dict()["residuals"][0], torch.ones(3))
+    with pytest.raises(ValueError, match="saved with method='randomk', density=0.2"):
+        SparsifyState(method="randomk", density=0.1, seed=4).load_state_dict(sd)
