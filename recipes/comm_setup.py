@@ -1,0 +1,204 @@
+"""Communication hooks and optimizers of the CIFAR recipe, built from its flags.
+
+:class:`Exchange` wraps the chosen DDP comm hook: it registers it once,
+times the hook function, counts the payload bytes each rank hands to its
+collectives, and saves and restores the hook's state as a plain dict (so a
+checkpoint loads with ``torch.load(weights_only=True)``).
+
+Bytes are *payload per rank*: what this rank contributes to its collectives.
+A ring all-reduce moves about ``2 (W-1)/W`` times that per rank over the
+wire, an all-gather ``W-1`` times. PyTorch's hooks report nothing, so the
+recipe counts for them: allreduce sends the bucket (``numel * element
+size``), fp16 half of it, PowerSGD its P and Q factors plus the tensors it
+leaves uncompressed (from ``PowerSGDState``'s element counters, or the full
+bucket during its dense warm-up). The ``ddp_hooks`` states count their own
+(``stats()["bytes_sent"]``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+__all__ = ["HOOKS", "OPTIMIZERS", "Exchange", "build_exchange", "build_optimizer", "hook_warmup_steps"]
+
+HOOKS = ("allreduce", "fp16", "powersgd", "sparsify", "local_sgd")
+OPTIMIZERS = ("sgd", "adagrad", "local_adaalter")
+
+
+def hook_warmup_steps(args) -> int:
+    """Dense steps before the hook compresses (``--warmup-steps``, or the hook's default)."""
+    if args.warmup_steps is not None:
+        return args.warmup_steps
+    # PowerSGD with error feedback cannot start before step 2: DDP rebuilds
+    # its buckets after the first step.
+    return 2 if args.hook == "powersgd" else 0
+
+
+class Exchange:
+    """A registered comm hook with timing, byte counters and a plain-dict state.
+
+    Args:
+        kind (str): one of :data:`HOOKS`.
+        state: the hook's state object (``None`` for the stateless hooks).
+        hook: the hook function ``hook(state, bucket) -> Future``.
+        sent_counter: ``state -> cumulative bytes sent`` for hooks that count
+            their own, else ``None``.
+        bucket_bytes: ``(state, bucket, counter_delta) -> bytes sent`` for the
+            hooks the recipe counts for.
+    """
+
+    def __init__(self, kind: str, state: Any, hook: Callable, sent_counter=None, bucket_bytes=None):
+        self.kind = kind
+        self.state = state
+        self._hook = hook
+        self._sent_counter = sent_counter
+        self._bucket_bytes = bucket_bytes
+        self.hook_seconds = 0.0
+        self.bytes_dense = 0
+        self._bytes_counted = 0  # bytes the recipe counted itself (PyTorch's hooks)
+        self._registered = False
+
+    # ----- the hook -----
+    def register(self, ddp_model) -> None:
+        """Register the timed hook; DDP allows this once per model, so load state first."""
+        if self._registered:
+            raise RuntimeError("Exchange.register() was already called: DDP takes one comm hook per model")
+        ddp_model.register_comm_hook(self.state, self._timed_hook())
+        self._registered = True
+
+    def _timed_hook(self):
+        inner, exchange = self._hook, self
+
+        def timed_hook(state, bucket):
+            before = exchange._powersgd_numel()
+            start = time.perf_counter()
+            fut = inner(state, bucket)
+            exchange.hook_seconds += time.perf_counter() - start
+            buffer = bucket.buffer()
+            exchange.bytes_dense += buffer.numel() * buffer.element_size()
+            if exchange._bucket_bytes is not None:
+                exchange._bytes_counted += exchange._bucket_bytes(bucket, exchange._powersgd_numel() - before)
+            return fut
+
+        return timed_hook
+
+    def _powersgd_numel(self) -> int:
+        return self.state.total_numel_after_compression if self.kind == "powersgd" else 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has sent since the start of training (restored on resume)."""
+        if self._sent_counter is not None:
+            return int(self._sent_counter(self.state))
+        return self._bytes_counted
+
+    # ----- checkpoints -----
+    def state_dict(self) -> Dict[str, Any]:
+        sd: Dict[str, Any] = {"kind": self.kind, "bytes_dense": self.bytes_dense,
+                              "bytes_counted": self._bytes_counted, "hook_seconds": self.hook_seconds}
+        if self.kind == "powersgd":
+            sd["state"] = _powersgd_state_dict(self.state)
+        elif self.state is not None and hasattr(self.state, "state_dict"):
+            sd["state"] = self.state.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        if sd["kind"] != self.kind:
+            raise ValueError(f"the checkpoint's hook state is for --hook {sd['kind']}, this run has --hook {self.kind}")
+        if self._registered:
+            raise RuntimeError("load the hook state before Exchange.register(), so the first step uses it")
+        self.bytes_dense, self._bytes_counted = sd["bytes_dense"], sd["bytes_counted"]
+        self.hook_seconds = sd["hook_seconds"]
+        if self.kind == "powersgd":
+            _powersgd_load_state_dict(self.state, sd["state"])
+        elif "state" in sd:
+            self.state.load_state_dict(sd["state"])
+
+
+# ----- PowerSGDState <-> plain dict (its own pickling keeps a numpy RandomState) -----
+def _powersgd_state_dict(state: powerSGD_hook.PowerSGDState) -> Dict[str, Any]:
+    name, keys, pos, has_gauss, gauss = state.rng.get_state()
+    return {
+        "iter": state.iter,
+        "error_dict": dict(state.error_dict),
+        "p_memory_dict": dict(state.p_memory_dict),
+        "q_memory_dict": dict(state.q_memory_dict),
+        "rng_keys": torch.from_numpy(keys.astype(np.int64)),
+        "rng_pos": int(pos), "rng_has_gauss": int(has_gauss), "rng_gauss": float(gauss),
+        "total_numel_before_compression": state.total_numel_before_compression,
+        "total_numel_after_compression": state.total_numel_after_compression,
+    }
+
+
+def _powersgd_load_state_dict(state: powerSGD_hook.PowerSGDState, sd: Dict[str, Any]) -> None:
+    state.iter = sd["iter"]
+    state.error_dict = dict(sd["error_dict"])
+    state.p_memory_dict = dict(sd["p_memory_dict"])
+    state.q_memory_dict = dict(sd["q_memory_dict"])
+    keys = sd["rng_keys"].numpy().astype(np.uint32)
+    state.rng.set_state(("MT19937", keys, sd["rng_pos"], sd["rng_has_gauss"], sd["rng_gauss"]))
+    state.total_numel_before_compression = sd["total_numel_before_compression"]
+    state.total_numel_after_compression = sd["total_numel_after_compression"]
+
+
+def _bucket_nbytes(bucket, ratio: float = 1.0) -> int:
+    buffer = bucket.buffer()
+    return int(buffer.numel() * buffer.element_size() * ratio)
+
+
+def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None) -> Exchange:
+    """The comm hook of ``args.hook`` with its state, wrapped in an :class:`Exchange`."""
+    warmup = hook_warmup_steps(args)
+    if args.hook == "allreduce":
+        return Exchange("allreduce", process_group, default_hooks.allreduce_hook,
+                        bucket_bytes=lambda bucket, _: _bucket_nbytes(bucket))
+    if args.hook == "fp16":
+        return Exchange("fp16", process_group, default_hooks.fp16_compress_hook,
+                        bucket_bytes=lambda bucket, _: _bucket_nbytes(bucket, 2 / bucket.buffer().element_size()))
+    if args.hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=process_group, matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=warmup, random_seed=args.hook_seed,
+            # its own INFO report is replaced by the recipe's progress line
+            compression_stats_logging_frequency=1 << 62,
+        )
+        # Counter delta > 0: the hook compressed and counted P, Q and the
+        # uncompressed tensors; 0: it was a plain allreduce of the bucket.
+        return Exchange("powersgd", state, powerSGD_hook.powerSGD_hook, bucket_bytes=lambda bucket, delta: (
+            delta * bucket.buffer().element_size() if delta > 0 else _bucket_nbytes(bucket)))
+    if args.hook == "sparsify":
+        from ddp_hooks import SparsifyState, sparsify_hook
+
+        state = SparsifyState(
+            process_group=process_group, method=args.method, density=args.density, scope=args.scope,
+            aggregation=args.aggregation, error_feedback=not args.no_error_feedback,
+            warmup_steps=warmup, seed=args.hook_seed,
+        )
+        return Exchange("sparsify", state, sparsify_hook, sent_counter=lambda s: s.stats()["bytes_sent"])
+    if args.hook == "local_sgd":
+        from ddp_hooks import LocalSGDState, local_sgd_hook
+
+        state = LocalSGDState(process_group=process_group, warmup_steps=warmup)
+        return Exchange("local_sgd", state, local_sgd_hook, sent_counter=lambda s: s.stats()["bytes_sent"])
+    raise ValueError(f"unknown hook {args.hook!r}; choose one of {', '.join(HOOKS)}")
+
+
+def build_optimizer(args, params, process_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
+    """The optimizer of ``args.optimizer`` over ``params``."""
+    params = list(params)
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if args.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
+    if args.optimizer == "local_adaalter":
+        from ddp_hooks import LocalAdaAlter
+
+        return LocalAdaAlter(params, lr=args.lr, eps=args.eps, period=args.period,
+                             warmup_steps=hook_warmup_steps(args), process_group=process_group)
+    raise ValueError(f"unknown optimizer {args.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
