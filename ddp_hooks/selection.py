@@ -88,6 +88,30 @@ def random_subset(n: int, k: int, generator: torch.Generator, device: torch.devi
         draws *= 2
 
 
+def topk_positions(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` largest magnitudes of a 1-D tensor (exact, unordered).
+
+    ``torch.topk`` over millions of entries costs tens of times a pass over
+    them. For large inputs a threshold is first estimated from an evenly
+    strided sample of magnitudes, aimed at about ``2k`` candidates; the exact
+    top-k of the candidates is the exact top-k of the whole (any entry above
+    the k-th largest is above the threshold). When the estimate lets through
+    fewer than ``k`` candidates, the full ``torch.topk`` is used instead, so
+    the result never depends on the sample, only the speed does.
+    """
+    n = values.numel()
+    magnitude = values.abs()
+    if n < (1 << 17) or 16 * k > n:
+        return torch.topk(magnitude, k, sorted=False).indices
+    sample = magnitude[:: n // (1 << 14)]
+    rank_in_sample = max(1, sample.numel() - (2 * k * sample.numel()) // n)
+    threshold = sample.kthvalue(rank_in_sample).values
+    candidates = torch.nonzero(magnitude >= threshold).squeeze(1)
+    if candidates.numel() < k:
+        return torch.topk(magnitude, k, sorted=False).indices
+    return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
+
+
 def _block_positions(units: Sequence[Unit], ks: Sequence[int], starts: Sequence[int], device) -> torch.Tensor:
     """Absolute positions of one wrapped block per unit, built with a few vector ops."""
     if len(units) == 1:
@@ -139,8 +163,7 @@ def select(
         if k == u.numel:
             parts.append(torch.arange(u.offset, u.offset + u.numel, device=device))
         elif method == "topk":
-            chunk = values[u.offset : u.offset + u.numel]
-            parts.append(torch.topk(chunk.abs(), k, sorted=False).indices.add_(u.offset))
+            parts.append(topk_positions(values[u.offset : u.offset + u.numel], k).add_(u.offset))
         elif method == "randomk":
             gen = generator_for(derive_seed(seed, step, u.key, rank), device)
             parts.append(random_subset(u.numel, k, gen, device).add_(u.offset))

@@ -131,3 +131,24 @@ def test_state_dict_loads_with_weights_only(tmp_path):
     assert torch.equal(other.state_dict()["residuals"][0], torch.ones(3))
     with pytest.raises(ValueError, match="saved with method='randomk', density=0.2"):
         SparsifyState(method="randomk", density=0.1, seed=4).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("n,k", [(1 << 20, 1000), (1 << 20, 60_000), (300_000, 17)])
+def test_fast_topk_equals_torch_topk(n, k):
+    from ddp_hooks.selection import topk_positions
+
+    x = torch.randn(n)
+    x[::7] *= 10  # structure aligned with no particular stride
+    fast = topk_positions(x, k)
+    exact = torch.topk(x.abs(), k).indices
+    assert fast.numel() == k
+    assert torch.equal(fast.sort().values, exact.sort().values)
+
+
+def test_fast_topk_falls_back_when_the_sample_misleads():
+    from ddp_hooks.selection import topk_positions
+
+    x = torch.zeros(1 << 20)
+    x[1::2] = torch.rand(1 << 19) + 1  # the strided sample sees only zeros
+    fast = topk_positions(x, 5000)
+    assert torch.equal(fast.sort().values, torch.topk(x.abs(), 5000).indices.sort().values)
