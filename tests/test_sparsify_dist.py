@@ -247,3 +247,32 @@ def _replicas_stay_equal(rank, world):
 
 def test_replicas_stay_bitwise_equal():
     assert run_distributed(_replicas_stay_equal, 3, timeout=300) == [True] * 3
+
+
+def _half_gradients(rank, world):
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for method, aggregation in (("random_block", "allreduce"), ("topk", "allgather"), ("randomk", "allgather")):
+            torch.manual_seed(0)
+            module = torch.nn.Linear(50, 20).to(dtype)
+            model = DDP(module)
+            state = SparsifyState(method=method, aggregation=aggregation, density=0.1)
+            model.register_comm_hook(state, sparsify_hook)
+            for step in range(3):
+                model.zero_grad()
+                model(_batch(rank, step).repeat(1, 3)[:, :50].to(dtype)).float().pow(2).sum().backward()
+            assert module.weight.grad.dtype == dtype
+            assert all(t.dtype == torch.float32 for t in state.residuals.state().values())
+            assert torch.isfinite(module.weight.grad.float()).all()
+            out[(str(dtype), method)] = int((module.weight.grad != 0).sum())
+            assert_replicas_equal(model)
+    return out
+
+
+def test_fp16_and_bf16_gradients_keep_float32_residuals():
+    counts = run_distributed(_half_gradients, 2, timeout=120)[0]
+    for (dtype, method), nnz in counts.items():
+        if method == "randomk":  # two ranks' own positions: the union, k <= nnz <= 2k
+            assert 100 <= nnz <= 200, (dtype, nnz)
+        else:  # shared block, or top-k of similar gradients: at least k
+            assert nnz >= 100, (dtype, method, nnz)
