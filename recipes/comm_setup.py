@@ -138,9 +138,9 @@ def _powersgd_state_dict(state: powerSGD_hook.PowerSGDState) -> Dict[str, Any]:
 
 def _powersgd_load_state_dict(state: powerSGD_hook.PowerSGDState, sd: Dict[str, Any]) -> None:
     state.iter = sd["iter"]
-    state.error_dict = dict(sd["error_dict"])
-    state.p_memory_dict = dict(sd["p_memory_dict"])
-    state.q_memory_dict = dict(sd["q_memory_dict"])
+    state.error_dict = {k: v.clone() for k, v in sd["error_dict"].items()}
+    state.p_memory_dict = {k: v.clone() for k, v in sd["p_memory_dict"].items()}
+    state.q_memory_dict = {k: v.clone() for k, v in sd["q_memory_dict"].items()}
     keys = sd["rng_keys"].numpy().astype(np.uint32)
     state.rng.set_state(("MT19937", keys, sd["rng_pos"], sd["rng_has_gauss"], sd["rng_gauss"]))
     state.total_numel_before_compression = sd["total_numel_before_compression"]

@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--synthetic-noise", type=float, default=4.0,
                    help="noise of the synthetic images relative to the class templates (default: 4.0)")
     g.add_argument("--image-size", type=int, default=32, help="side of the synthetic images (default: 32)")
-    g.add_argument("--no-augment", action="store_true",
-                   help="no random crop and flip of training images (default: augment)")
+    g.add_argument("--augment", choices=("auto", "none", "crop-flip"), default="auto",
+                   help="training-image augmentation; auto is crop-flip (4-pixel random crop, random flip) for "
+                        "cifar10 and none for synthetic, whose class templates are not shift-invariant "
+                        "(default: auto)")
 
     g = p.add_argument_group("communication hook")
     g.add_argument("--hook", choices=HOOKS, default="allreduce", help="DDP comm hook (default: allreduce)")
@@ -102,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--period", type=int, default=None,
                    help="local_adaalter: steps between model averagings (default: 8)")
     g.add_argument("--epochs", type=int, default=2, help="epochs (default: 2)")
+    g.add_argument("--stop-after", type=int, default=None,
+                   help="end after this many epochs in all, keeping the schedule of --epochs, to split one run "
+                        "into several jobs continued with --resume (default: --epochs)")
     g.add_argument("--batch-size", type=int, default=64, help="images per process per step (default: 64)")
     g.add_argument("--lr", type=float, default=0.1, help="peak learning rate (default: 0.1)")
     g.add_argument("--lr-schedule", choices=("constant", "cosine", "step"), default="cosine",
@@ -181,7 +186,7 @@ def validate_args(args, cuda_available: bool) -> None:
         if args.warmup_steps is not None and args.warmup_steps < 2:
             raise ValueError("--hook powersgd needs --warmup-steps >= 2: PowerSGD with error feedback can only "
                              "start after DDP rebuilt its buckets at the end of the first step")
-    for name, low in (("epochs", 1), ("batch_size", 1), ("log_every", 1), ("synthetic_size", 1),
+    for name, low in (("epochs", 1), ("stop_after", 1), ("batch_size", 1), ("log_every", 1), ("synthetic_size", 1),
                       ("image_size", 8), ("period", 1), ("warmup_steps", 0), ("threads", 1), ("width", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
@@ -203,6 +208,8 @@ def validate_args(args, cuda_available: bool) -> None:
             raise ValueError("--image-size applies to --data synthetic only: CIFAR-10 images are 32x32")
     elif args.download or args.cifar_skip_md5 or args.data_dir is not None:
         raise ValueError("--data-dir, --download and --cifar-skip-md5 apply to --data cifar10 only")
+    if args.stop_after is not None and args.stop_after > args.epochs:
+        raise ValueError(f"--stop-after {args.stop_after} exceeds --epochs {args.epochs}")
     if args.resume and args.out_dir is None:
         raise ValueError("--resume needs --out-dir, the folder holding the checkpoints")
     device = resolve_device(args, cuda_available)
@@ -287,6 +294,7 @@ class Trainer:
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.train_set, self.test_set = _load_data(args, self.rank)
+        self.augment = args.augment == "crop-flip" or (args.augment == "auto" and args.data == "cifar10")
         self.sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank,
                                           shuffle=True, seed=args.seed, drop_last=True)
         self.steps_per_epoch = len(self.sampler) // args.batch_size
@@ -304,6 +312,7 @@ class Trainer:
         self.step = 0  # optimizer steps done
         if args.resume:
             self._load_snapshot()
+        self._settle_buckets()
         self.exchange.register(self.ddp)
         self.metrics = None
         if args.out_dir is not None and self.rank == 0:
@@ -370,6 +379,28 @@ class Trainer:
         logger.info("resumed from %s at epoch %d (step %d)", self.args.out_dir, self.epoch, self.step)
 
     # ----- training -----
+    def _settle_buckets(self) -> None:
+        """One forward and backward before training, with nothing kept, so DDP fixes its bucket layout now.
+
+        DDP rebuilds its buckets in gradient-ready order after its first
+        backward. A resumed run would otherwise take its first step in the
+        initial layout while the hook states were saved in the rebuilt one
+        (PowerSGD's residuals are flat per bucket; the sparsifier numbers the
+        parameters in the order it first sees them). With this step every
+        run, fresh or resumed, trains in the rebuilt layout only. It runs
+        before the hook is registered (a plain allreduce), leaves the batch
+        norm buffers and the gradients as they were, and draws no random numbers.
+        """
+        module = self.ddp.module
+        buffers = {name: b.clone() for name, b in module.named_buffers()}
+        images = self.train_set.normalize(self.train_set.images[:2].to(self.device))
+        self.ddp(images).float().sum().backward()
+        for p in module.parameters():
+            p.grad = None
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
+
     def _batches(self, epoch: int):
         """This rank's batches of ``epoch``: (uint8 images on the device, labels)."""
         self.sampler.set_epoch(epoch)
@@ -380,7 +411,7 @@ class Trainer:
             with self.timer.phase("time_data_s"):
                 idx = order[i * self.args.batch_size:(i + 1) * self.args.batch_size]
                 images = self.train_set.images[idx].to(self.device, non_blocking=True)
-                if not self.args.no_augment:
+                if self.augment:
                     images = augment(images, gen)
                 images = self.train_set.normalize(images)
                 labels = self.train_set.labels[idx].to(self.device, non_blocking=True)
@@ -462,7 +493,8 @@ class Trainer:
                     len(self.test_set), self.world_size, self.device, a.hook, a.optimizer,
                     self.steps_per_epoch, a.batch_size)
         records = []
-        while self.epoch < a.epochs:
+        stop = a.epochs if a.stop_after is None else a.stop_after
+        while self.epoch < stop:
             record = {"epoch": self.epoch + 1}
             record.update(self._run_epoch(self.epoch))
             with self.timer.phase("time_eval_s"):
