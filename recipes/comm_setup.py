@@ -89,7 +89,22 @@ class Exchange:
         return timed_hook
 
     def _powersgd_numel(self) -> int:
-        return self.state.total_numel_after_compression if self.kind == "powersgd" else 0
+        if self.kind == "powersgd":
+            return self.state.total_numel_after_compression
+        if self.kind == "local_sgd":
+            return self.state.allreduce_calls
+        return 0
+
+    def count_averaging(self, optimizer) -> None:
+        """Count LocalAdaAlter's model averaging (parameters and accumulators) as bytes sent."""
+        averager, exchange = optimizer.averager, self
+        average_ = averager.average_
+
+        def counted_average_(tensors):
+            exchange._bytes_counted += sum(t.numel() * t.element_size() for t in tensors)
+            return average_(tensors)
+
+        averager.average_ = counted_average_
 
     @property
     def bytes_sent(self) -> int:
@@ -185,12 +200,16 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None) -> E
         from ddp_hooks import LocalSGDState, local_sgd_hook
 
         state = LocalSGDState(process_group=process_group, warmup_steps=warmup)
-        return Exchange("local_sgd", state, local_sgd_hook, sent_counter=lambda s: s.stats()["bytes_sent"])
+        # The hook allreduces the bucket in warm-up (its call counter moves) and sends nothing after;
+        # build_optimizer shares the schedule with LocalAdaAlter, whose averaging count_averaging counts.
+        return Exchange("local_sgd", state, local_sgd_hook, bucket_bytes=lambda bucket, delta: (
+            _bucket_nbytes(bucket) if delta > 0 else 0))
     raise ValueError(f"unknown hook {args.hook!r}; choose one of {', '.join(HOOKS)}")
 
 
-def build_optimizer(args, params, process_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
-    """The optimizer of ``args.optimizer`` over ``params``."""
+def build_optimizer(args, params, exchange: Optional[Exchange] = None,
+                    process_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
+    """The optimizer of ``args.optimizer`` over ``params`` (local_adaalter: sharing ``exchange``'s schedule)."""
     params = list(params)
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
@@ -199,6 +218,12 @@ def build_optimizer(args, params, process_group: Optional[dist.ProcessGroup] = N
     if args.optimizer == "local_adaalter":
         from ddp_hooks import LocalAdaAlter
 
-        return LocalAdaAlter(params, lr=args.lr, eps=args.eps, period=args.period,
-                             warmup_steps=hook_warmup_steps(args), process_group=process_group)
+        # Not ddp_hooks.build_local_adaalter: it registers the hook at once, and the recipe
+        # registers only after loading a checkpoint and settling DDP's buckets.
+        opt = LocalAdaAlter(params, lr=args.lr, eps=args.eps, period=args.period,
+                            warmup_steps=hook_warmup_steps(args), process_group=process_group,
+                            hook_state=exchange.state if exchange is not None else None)
+        if exchange is not None:
+            exchange.count_averaging(opt)
+        return opt
     raise ValueError(f"unknown optimizer {args.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")

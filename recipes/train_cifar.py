@@ -305,7 +305,7 @@ class Trainer:
         model = build_model(args.model, len(self.train_set.classes), args.width).to(device)
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.exchange = build_exchange(args)
-        self.optimizer = build_optimizer(args, self.ddp.parameters())
+        self.optimizer = build_optimizer(args, self.ddp.parameters(), self.exchange)
         self.scaler = torch.amp.GradScaler("cuda", enabled=args.amp)
         self.timer = PhaseTimer(device)
         self.epoch = 0  # epochs done

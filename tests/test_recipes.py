@@ -219,3 +219,26 @@ def test_summary_table_and_metrics_file_resume(tmp_path):
 
 def test_format_bytes():
     assert [run_metrics.format_bytes(n) for n in (12, 1500, 2.5e6, 7e9)] == ["12 B", "1.5 kB", "2.5 MB", "7.0 GB"]
+
+
+# ----- plot -----
+def test_plot_writes_a_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    import plot
+
+    paths = []
+    for hook, acc in (("allreduce", 0.6), ("sparsify", 0.5)):
+        f = run_metrics.MetricsFile(str(tmp_path / hook / "metrics.jsonl"))
+        for e in (1, 2):
+            f.write(_record(e, test_accuracy=acc * e / 2, hook=hook, optimizer="sgd", step=10 * e,
+                            bytes_sent_total=3000 * e, time_epoch_s=1.0))
+        paths.append(f.path)
+    out = plot.main(plot.parse_args(paths + ["-o", str(tmp_path / "c.png")]))
+    assert os.path.getsize(out) > 1000
+
+
+def test_plot_refuses_mismatched_labels():
+    import plot
+
+    with pytest.raises(SystemExit):
+        plot.parse_args(["a.jsonl", "b.jsonl", "--labels", "one"])
