@@ -1,0 +1,262 @@
+r"""Local AdaAlter: AdaGrad-style adaptive steps with periodic averaging (arXiv 1911.09030).
+
+Xie, Koyejo, Gupta & Lin, "Local AdaAlter: Communication-Efficient Stochastic
+Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
+``lr`` the learning rate, ``eps`` as below, ``H = period``, worker ``i``:
+
+1. Warm-up (synchronous AdaAlter, the paper's Algorithm 1; ``g_t`` is the
+   gradient averaged by :func:`~ddp_hooks.local_sgd.local_sgd_hook`)::
+
+       x_t  = x_{t-1} - lr * g_t / sqrt(B2_{t-1} + eps^2)
+       B2_t = B2_{t-1} + g_t^2
+
+2. Local steps ``t0 < t <= t0 + H`` (Algorithm 2; ``g_i,t`` the local gradient)::
+
+       x_i = x_i - lr * g_i,t / sqrt(B2_t0 + (t - t0) * eps^2)
+       A_i = A_i + g_i,t^2
+
+3. Synchronisation at ``t = t0 + H`` (one flat collective, see
+   :class:`~ddp_hooks.averager.AdaAlterAverager`)::
+
+       x_i = mean_j x_j ;  B2_t = B2_t0 + mean_j A_j ;  A_i = 0
+
+Conventions:
+
+* ``B2`` (``state["sum_sq"]``) starts at 0; the initial accumulation ``b_0^2``
+  of the paper's bound belongs in ``eps``: the first denominator is
+  ``sqrt(eps^2)``. The authors' ``--eps 1`` ("initial history accumulation")
+  is ``eps=1.0`` here.
+* ``(t - t0) * eps^2`` is the paper's lazy correction: it stands for the
+  ``eps^2`` a synchronous run would have added per step. With
+  ``lazy_correction=False`` the denominator is ``sqrt(B2_t0 + eps^2)`` at every
+  step, as in the authors' MXNet code (``g / sqrt(history + eps)``).
+* ``A_i`` (``state["local_sq"]``) is the rank's own sum of squared gradients
+  since ``t0``. With ``H = 1`` the update of ``x`` equals synchronous AdaAlter's,
+  but ``B2`` grows by ``mean_j g_j^2``, not ``(mean_j g_j)^2``.
+* The schedule (steps taken, last synchronisation) is in :meth:`state_dict`,
+  next to the accumulators; a resumed run is bit-identical to an unbroken one.
+  Between synchronisations the ranks' parameters differ: save one checkpoint
+  per rank and load the model *after* wrapping it in DDP, which broadcasts
+  rank 0's parameters at construction.
+* A parameter without ``.grad`` is not updated and adds nothing to ``A``, but it
+  is still averaged at synchronisations (every rank sends the same tensors).
+* With ``torch.amp.GradScaler`` the optimizer unscales the gradients itself
+  (``_step_supports_amp_scaling``) and, during local steps, all ranks agree on
+  skipping a step with a one-float ``MAX`` allreduce of ``found_inf``, so a rank
+  that saw inf/NaN never falls out of step. A skipped step does not advance
+  the schedule (the hook stays in its phase). In warm-up the averaged
+  gradients already agree, so no extra collective is needed. Only the ranks'
+  loss scales may differ after a local skip, which is harmless because local
+  gradients are never mixed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._validate import check_bool, check_float, check_int, check_process_group
+from .averager import AdaAlterAverager
+from .local_sgd import LocalSGDState, local_sgd_hook
+from .schedule import LocalAdaAlterSchedule, _register_owner
+
+__all__ = ["LocalAdaAlter", "build_local_adaalter"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_positive(name: str, value, reason: str) -> float:
+    return check_float(name, value, 0.0, float("inf"), low_open=True, high_open=True, reason=reason)
+
+
+def _check_ddp_model(ddp_model) -> None:
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"`ddp_model` must be a DistributedDataParallel model, got {type(ddp_model).__name__}")
+
+
+class LocalAdaAlter(torch.optim.Optimizer):
+    """Local AdaAlter optimizer (see the module docstring for the maths).
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim`` optimizer.
+        lr (float): learning rate, > 0 (the authors use 0.5).
+        eps (float): > 0; ``eps^2`` is added per step to the accumulator in the
+            denominator and is the initial accumulation (authors: 1).
+        period (int): local steps between averagings, >= 1 (the paper's ``H``).
+        warmup_steps (int): synchronous steps first, >= 0; must equal the hook's.
+        process_group: the group to average in; ``None`` is the default group.
+        lazy_correction (bool): ``True`` (default): the paper's
+            ``(t - t0) * eps^2``; ``False``: the authors' constant ``eps^2``.
+        hook_state (LocalSGDState): the hook state to share the schedule with
+            (its warm-up must match); without it the hook finds this optimizer
+            through the parameters at its first call.
+
+    Example::
+
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+        >>> opt = LocalAdaAlter([w], lr=0.5, eps=1.0, period=4)
+        >>> w.grad = torch.tensor([1.0, 0.0])
+        >>> opt.step()
+        >>> w.data, opt.state[w]["local_sq"], opt.schedule.step
+        (tensor([ 0.5000, -2.0000]), tensor([1., 0.]), 1)
+        >>> LocalAdaAlter([w], lr=0.5, eps=1.0, period=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `period` must be an int >= 1, got 0; it is the number of local steps between averagings
+    """
+
+    # GradScaler calls step() even when it found inf/NaN and sets grad_scale/found_inf.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 0.5,
+        eps: float = 1.0,
+        period: int = 4,
+        warmup_steps: int = 0,
+        process_group: Optional[dist.ProcessGroup] = None,
+        lazy_correction: bool = True,
+        hook_state: Optional[LocalSGDState] = None,
+    ) -> None:
+        _check_positive("lr", lr, "it is the learning rate")
+        _check_positive("eps", eps, "eps^2 is the initial accumulation; 0 would divide by zero at the first step")
+        schedule = LocalAdaAlterSchedule(warmup_steps=warmup_steps, period=period)
+        check_process_group("process_group", process_group)
+        check_bool("lazy_correction", lazy_correction, "True: (t - t0) * eps^2, False: constant eps^2")
+        if hook_state is not None and not isinstance(hook_state, LocalSGDState):
+            raise TypeError(f"`hook_state` must be None or a LocalSGDState, got {type(hook_state).__name__}")
+        super().__init__(params, dict(lr=float(lr), eps=float(eps), lazy_correction=lazy_correction))
+        if hook_state is not None:
+            hook_state.attach(schedule)  # raises on a warm-up mismatch
+        schedule.has_driver = True
+        self.schedule = schedule
+        self.averager = AdaAlterAverager(process_group=process_group, schedule=schedule)
+        self.process_group = process_group
+        self.amp_agreements = 0  # one-float allreduces issued to agree on skipping
+        _register_owner(self._params(), schedule)
+        logger.info("LocalAdaAlter: lr=%s eps=%s period=%s warmup_steps=%s lazy_correction=%s",
+                    lr, eps, period, warmup_steps, lazy_correction)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        # Every parameter gets its accumulators now, gradient or not, so the
+        # averaging collective has the same size on every rank from the start.
+        for p in self.param_groups[-1]["params"]:
+            self.state[p] = {"sum_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                             "local_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        if hasattr(self, "schedule"):
+            _register_owner(self.param_groups[-1]["params"], self.schedule)
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _world_size(self) -> int:
+        if not dist.is_available() or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def _skip_for_amp(self, warmup: bool) -> bool:
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
+        if found_inf is None:
+            return False
+        flag = found_inf.detach().to(torch.float32).reshape(1).clone()
+        if not warmup and self._world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            self.amp_agreements += 1
+        return bool(flag.item() > 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Take one step; average parameters and accumulators if a synchronisation is due."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sched = self.schedule
+        warmup = sched.in_warmup
+        if self._skip_for_amp(warmup):
+            return loss  # the schedule does not advance: the step did not happen
+        grad_scale = getattr(self, "grad_scale", None)
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        local_steps = sched.local_steps_next()
+        for group in self.param_groups:
+            lr, eps2 = group["lr"], group["eps"] ** 2
+            offset = (local_steps if group["lazy_correction"] else 1) * eps2
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("LocalAdaAlter does not support sparse gradients")
+                g = p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.dtype)
+                st = self.state[p]
+                denom = st["sum_sq"].add(offset).sqrt_()
+                p.addcdiv_(g, denom, value=-lr)
+                (st["sum_sq"] if warmup else st["local_sq"]).addcmul_(g, g)
+        if sched.advance():
+            self._synchronise()
+        return loss
+
+    def _synchronise(self) -> None:
+        params = self._params()
+        local = [self.state[p]["local_sq"] for p in params]
+        self.averager.average_(params + local)
+        for p, a in zip(params, local):
+            self.state[p]["sum_sq"].add_(a)
+            a.zero_()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The accumulators, hyperparameters and the schedule (tensors, ints, floats, bools)."""
+        sd = super().state_dict()
+        sd["schedule"] = self.schedule.state_dict()
+        sd["amp_agreements"] = self.amp_agreements
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore accumulators and the schedule; period and warm-up must match this optimizer's."""
+        state_dict = dict(state_dict)
+        if "schedule" not in state_dict:
+            raise ValueError("this state dict has no 'schedule' entry; it was not saved by LocalAdaAlter.state_dict()")
+        self.schedule.load_state_dict(state_dict.pop("schedule"))
+        self.amp_agreements = int(state_dict.pop("amp_agreements", 0))
+        super().load_state_dict(state_dict)
+
+
+def build_local_adaalter(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    lr: float = 0.5,
+    eps: float = 1.0,
+    period: int = 4,
+    warmup_steps: int = 0,
+    process_group: Optional[dist.ProcessGroup] = None,
+    lazy_correction: bool = True,
+) -> Tuple[LocalSGDState, LocalAdaAlter]:
+    """Build the hook state and the optimizer from one set of numbers; register the hook.
+
+    Returns:
+        ``(hook_state, optimizer)`` sharing one :class:`LocalAdaAlterSchedule`.
+
+    Example::
+
+        >>> import os, tempfile, torch, torch.distributed as dist
+        >>> store = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+        >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+        >>> hook_state, opt = build_local_adaalter(model, lr=0.5, eps=1.0, period=2, warmup_steps=1)
+        >>> for _ in range(3):
+        ...     model(torch.ones(4, 3)).sum().backward()
+        ...     opt.step(); opt.zero_grad()
+        >>> hook_state.allreduce_calls, hook_state.schedule is opt.schedule, opt.schedule.last_sync
+        (1, True, 3)
+        >>> dist.destroy_process_group()
+    """
+    _check_ddp_model(ddp_model)
+    hook_state = LocalSGDState(process_group=process_group, warmup_steps=warmup_steps)
+    opt = LocalAdaAlter(ddp_model.parameters(), lr=lr, eps=eps, period=period, warmup_steps=warmup_steps,
+                        process_group=process_group, lazy_correction=lazy_correction, hook_state=hook_state)
+    ddp_model.register_comm_hook(hook_state, local_sgd_hook)
+    return hook_state, opt

@@ -1,0 +1,148 @@
+"""Average parameters and AdaAlter accumulators across ranks in one flat collective.
+
+At a Local AdaAlter synchronisation (Xie et al. 2019, arXiv 1911.09030,
+Algorithm 2: ``x = mean_j x_j``, ``B2 = B2_t0 + mean_j A_j``) every rank
+sends its parameters and its local accumulators. Many small allreduces cost
+one network latency each, so :meth:`AdaAlterAverager.average_` packs all
+tensors into one buffer (of their promoted dtype), divides it by the world
+size *before* the collective (so half-precision sums cannot overflow, as
+PyTorch's ``allreduce_hook`` does), runs one allreduce and copies the slices
+back in place.
+
+Every rank must pass the same list of tensors in the same order, whether or
+not a parameter received a gradient this step: the collective's size then
+never depends on which parameters were used, so it cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ._validate import check_process_group
+from .schedule import LocalAdaAlterSchedule
+
+__all__ = ["AdaAlterAverager"]
+
+
+def _flatten_params(params: Iterable[Union[torch.Tensor, dict]]) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    for item in params:
+        if isinstance(item, dict):  # an optimizer's param group
+            out.extend(item["params"])
+        elif isinstance(item, torch.Tensor):
+            out.append(item)
+        else:
+            raise TypeError(f"expected tensors or param-group dicts, got {type(item).__name__}")
+    return out
+
+
+class AdaAlterAverager:
+    """Average tensors across ranks in place with one collective, optionally on a schedule.
+
+    Args:
+        period (int): steps between averagings after warm-up (>= 1); used by
+            :meth:`average_parameters` only.
+        warmup_steps (int): steps before the first averaging (>= 0); same.
+        process_group: the group to average in; ``None`` is the default group.
+        schedule (LocalAdaAlterSchedule): share an existing schedule instead
+            (then ``period`` and ``warmup_steps`` must be left at their defaults
+            or equal the schedule's).
+
+    Two uses:
+
+    * :meth:`average_` averages now (``LocalAdaAlter`` calls it with its
+      parameters and local accumulators at each synchronisation);
+    * :meth:`average_parameters` is a drop-in for PyTorch's
+      ``PeriodicModelAverager.average_parameters``: call it after every
+      optimizer step; it advances the schedule and averages when one is due.
+
+    ``averagings`` counts the collectives issued.
+
+    Example::
+
+        >>> import torch
+        >>> avg = AdaAlterAverager(period=2)
+        >>> w = torch.ones(3)
+        >>> [avg.average_parameters([w]) for _ in range(4)]
+        [False, True, False, True]
+        >>> avg.averagings  # a single process needs no collective
+        0
+    """
+
+    def __init__(
+        self,
+        period: int = 1,
+        warmup_steps: int = 0,
+        process_group: Optional[dist.ProcessGroup] = None,
+        schedule: Optional[LocalAdaAlterSchedule] = None,
+    ) -> None:
+        own = LocalAdaAlterSchedule(warmup_steps=warmup_steps, period=period)  # validates both
+        check_process_group("process_group", process_group)
+        if schedule is None:
+            schedule = own
+        elif not isinstance(schedule, LocalAdaAlterSchedule):
+            raise TypeError(f"`schedule` must be None or a LocalAdaAlterSchedule, got {type(schedule).__name__}")
+        elif (period, warmup_steps) not in ((1, 0), (schedule.period, schedule.warmup_steps)):
+            raise ValueError(
+                f"`period`={period}, `warmup_steps`={warmup_steps} differ from the given schedule's "
+                f"({schedule.period}, {schedule.warmup_steps}); pass only the schedule"
+            )
+        self.schedule = schedule
+        self.process_group = process_group
+        self.averagings = 0
+
+    def _world_size(self) -> int:
+        if not dist.is_available() or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    @torch.no_grad()
+    def average_(self, tensors: List[torch.Tensor]) -> None:
+        """Replace each tensor by its mean across ranks, in one allreduce.
+
+        All tensors must be dense and on one device; integer tensors are not
+        averaged meaningfully and are rejected.
+        """
+        world = self._world_size()
+        if world == 1 or not tensors:
+            return
+        dtype = tensors[0].dtype
+        for t in tensors:
+            if not t.is_floating_point():
+                raise TypeError(f"can only average floating-point tensors, got {t.dtype}")
+            dtype = torch.promote_types(dtype, t.dtype)
+        flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+        flat.div_(world)
+        dist.all_reduce(flat, group=self.process_group)
+        self.averagings += 1
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+    def average_parameters(self, params: Iterable[Union[torch.Tensor, dict]]) -> bool:
+        """Advance the schedule by one step; average ``params`` if a synchronisation is due.
+
+        Args:
+            params: tensors, or an optimizer's ``param_groups``.
+
+        Returns:
+            Whether this call ended with an averaging (also on a single rank).
+        """
+        due = self.schedule.advance()
+        if due:
+            self.average_(_flatten_params(params))
+        return due
+
+    def state_dict(self) -> Dict[str, object]:
+        """The schedule and the counter, as ints."""
+        return {"schedule": self.schedule.state_dict(), "averagings": self.averagings}
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.schedule.load_state_dict(state["schedule"])
+        self.averagings = int(state["averagings"])

@@ -1,0 +1,159 @@
+"""Single-process checks of Local AdaAlter: validation, references, schedule, checkpoints."""
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_hooks.adaalter import LocalAdaAlter
+from ddp_hooks.averager import AdaAlterAverager
+from ddp_hooks.local_sgd import LocalSGDState
+from ddp_hooks.schedule import LocalAdaAlterSchedule
+
+
+def _grads(n_steps, shape=(3, 2), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(n_steps)]
+
+
+def _one_worker_reference(x0, grads, lr, eps, period, warmup, lazy=True):
+    """Algorithm 2 of arXiv 1911.09030 for one worker, written out step by step."""
+    x, b2, a, t0 = x0.clone(), torch.zeros_like(x0), torch.zeros_like(x0), 0
+    for t, g in enumerate(grads, start=1):
+        if t <= warmup:
+            x = x - lr * g / torch.sqrt(b2 + eps ** 2)
+            b2 = b2 + g * g
+            t0 = t
+            continue
+        k = (t - t0) if lazy else 1
+        x = x - lr * g / torch.sqrt(b2 + k * eps ** 2)
+        a = a + g * g
+        if t - t0 == period:
+            b2, a, t0 = b2 + a, torch.zeros_like(a), t
+    return x, b2, a
+
+
+def _run_opt(x0, grads, **kw):
+    w = torch.nn.Parameter(x0.clone())
+    opt = LocalAdaAlter([w], **kw)
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    return w.detach(), opt
+
+
+def test_validation_names_argument_value_and_rule():
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    cases = [
+        (dict(lr=0.0), ValueError, r"`lr` must be a float in \(0, inf\), got 0.0; it is the learning rate"),
+        (dict(lr="1"), TypeError, r"`lr` must be a float, got '1' of type str"),
+        (dict(eps=-1.0), ValueError, r"`eps` must be a float in \(0, inf\), got -1.0; eps\^2 is the initial"),
+        (dict(eps=float("nan")), ValueError, r"`eps` must be a float in \(0, inf\), got nan"),
+        (dict(period=0), ValueError,
+         r"`period` must be an int >= 1, got 0; it is the number of local steps between averagings"),
+        (dict(period=2.0), TypeError, r"`period` must be an int, got 2.0 of type float"),
+        (dict(warmup_steps=-3), ValueError, r"`warmup_steps` must be an int >= 0, got -3; it is the number of"),
+        (dict(warmup_steps=True), TypeError, r"`warmup_steps` must be an int, got True of type bool"),
+        (dict(process_group="world"), TypeError, r"`process_group` must be None \(the default group\)"),
+        (dict(lazy_correction=1), TypeError, r"`lazy_correction` must be a bool, got 1 of type int"),
+        (dict(hook_state=LocalSGDState), TypeError, r"`hook_state` must be None or a LocalSGDState, got type"),
+    ]
+    for kwargs, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            LocalAdaAlter(w, **kwargs)
+    # None of this needed a process group: validation happens before torch.distributed is touched.
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"`warmup_steps` must be an int >= 0, got -1"):
+        LocalSGDState(warmup_steps=-1)
+    with pytest.raises(TypeError, match=r"`schedule` must be None or a LocalAdaAlterSchedule, got int"):
+        LocalSGDState(schedule=3)
+    with pytest.raises(ValueError, match=r"`period` must be an int >= 1, got 0"):
+        AdaAlterAverager(period=0)
+    with pytest.raises(ValueError, match=r"differ from the given schedule's \(2, 1\)"):
+        AdaAlterAverager(period=3, schedule=LocalAdaAlterSchedule(warmup_steps=1, period=2))
+
+
+def test_single_worker_period_1_is_plain_adaalter():
+    x0, grads = torch.randn(3, 2), _grads(12)
+    x, b2 = x0.clone(), torch.zeros_like(x0)
+    for g in grads:  # AdaAlter: denominator from before the gradient, then accumulate
+        x = x - 0.5 * g / torch.sqrt(b2 + 1.0)
+        b2 = b2 + g * g
+    for warmup in (0, 5):
+        got, opt = _run_opt(x0, grads, lr=0.5, eps=1.0, period=1, warmup_steps=warmup)
+        torch.testing.assert_close(got, x, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[opt.param_groups[0]["params"][0]]["sum_sq"], b2)
+
+
+@pytest.mark.parametrize("period,warmup,lazy", [(4, 0, True), (3, 2, True), (5, 3, False)])
+def test_single_worker_local_steps_match_reference(period, warmup, lazy):
+    x0, grads = torch.randn(3, 2), _grads(14, seed=period)
+    want_x, want_b2, want_a = _one_worker_reference(x0, grads, 0.3, 0.7, period, warmup, lazy)
+    got, opt = _run_opt(x0, grads, lr=0.3, eps=0.7, period=period, warmup_steps=warmup, lazy_correction=lazy)
+    st = opt.state[opt.param_groups[0]["params"][0]]
+    torch.testing.assert_close(got, want_x, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(st["sum_sq"], want_b2)
+    torch.testing.assert_close(st["local_sq"], want_a)
+    # The correction matters: the other variant gives a different trajectory.
+    other, _ = _run_opt(x0, grads, lr=0.3, eps=0.7, period=period, warmup_steps=warmup, lazy_correction=not lazy)
+    assert not torch.allclose(other, got)
+
+
+def test_parameter_without_grad_keeps_value_and_has_accumulators():
+    used, unused = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.full((3,), 7.0))
+    opt = LocalAdaAlter([used, unused], lr=0.5, eps=1.0, period=2)
+    for _ in range(3):
+        used.grad = torch.ones(2)
+        opt.step()
+    assert torch.equal(unused.detach(), torch.full((3,), 7.0))
+    assert torch.equal(opt.state[unused]["sum_sq"], torch.zeros(3))
+    assert not torch.equal(used.detach(), torch.ones(2))
+
+
+def test_hook_state_warmup_mismatch_raises_and_match_shares_schedule():
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"built with `warmup_steps`=2 but the LocalAdaAlter schedule it is used "
+                                         r"with has `warmup_steps`=3"):
+        LocalAdaAlter(w, warmup_steps=3, hook_state=LocalSGDState(warmup_steps=2))
+    hook = LocalSGDState(warmup_steps=3)
+    opt = LocalAdaAlter(w, warmup_steps=3, period=2, hook_state=hook)
+    assert hook.schedule is opt.schedule and opt.schedule.has_driver
+    w[0].grad = torch.ones(2)
+    opt.step()
+    assert hook.schedule.step == 1 and hook.schedule.in_warmup
+
+
+def test_schedule_calendar_and_checkpoint_rules():
+    s = LocalAdaAlterSchedule(warmup_steps=2, period=3)
+    syncs = [t for t in range(1, 12) if s.advance()]
+    assert syncs == [5, 8, 11]
+    s2 = LocalAdaAlterSchedule(warmup_steps=2, period=3)
+    s2.load_state_dict(s.state_dict())
+    assert (s2.step, s2.last_sync) == (11, 11)
+    with pytest.raises(ValueError, match=r"checkpoint schedule has `period`=3 but this run was built with `period`=4"):
+        LocalAdaAlterSchedule(warmup_steps=2, period=4).load_state_dict(s.state_dict())
+
+
+def test_state_dicts_load_with_weights_only_and_resume_exactly():
+    x0, grads = torch.randn(3, 2), _grads(10, seed=3)
+    full, _ = _run_opt(x0, grads, lr=0.5, eps=1.0, period=3, warmup_steps=2)
+    half, opt = _run_opt(x0, grads[:6], lr=0.5, eps=1.0, period=3, warmup_steps=2)
+    hook = LocalSGDState(warmup_steps=2, schedule=opt.schedule)
+    buf = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "hook": hook.state_dict(), "w": half}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    w = torch.nn.Parameter(ckpt["w"].clone())
+    opt2 = LocalAdaAlter([w], lr=0.5, eps=1.0, period=3, warmup_steps=2)
+    opt2.load_state_dict(ckpt["opt"])
+    hook2 = LocalSGDState(warmup_steps=2)
+    hook2.load_state_dict(ckpt["hook"])
+    assert hook2.schedule.state_dict() == opt2.schedule.state_dict() == {"warmup_steps": 2, "period": 3,
+                                                                          "step": 6, "last_sync": 5}
+    for g in grads[6:]:
+        w.grad = g.clone()
+        opt2.step()
+    assert torch.equal(w.detach(), full)
+    with pytest.raises(ValueError, match="no 'schedule' entry"):
+        opt2.load_state_dict(torch.optim.SGD([w], lr=1.0).state_dict())
