@@ -14,8 +14,7 @@
   by ``GradScaler`` shifts it against the averager (PyTorch issue 76282).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks hook annotations as objects.
 from typing import Optional, Tuple
 
 import torch
@@ -26,7 +25,24 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from ._validate import check_float, check_int, check_process_group
 from .adaalter import _check_ddp_model, _check_positive
 
-__all__ = ["build_sync_adagrad", "build_local_sgd"]
+__all__ = ["AllreduceCounter", "counting_allreduce_hook", "build_sync_adagrad", "build_local_sgd"]
+
+
+class AllreduceCounter:
+    """State of :func:`counting_allreduce_hook`: the group and the number of allreduces issued."""
+
+    __slots__ = ("process_group", "allreduce_calls")
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        check_process_group("process_group", process_group)
+        self.process_group = process_group
+        self.allreduce_calls = 0
+
+
+def counting_allreduce_hook(state: AllreduceCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's ``allreduce_hook`` (average every bucket), counting the collectives."""
+    state.allreduce_calls += 1
+    return default_hooks.allreduce_hook(state.process_group, bucket)
 
 
 def build_sync_adagrad(
@@ -34,8 +50,8 @@ def build_sync_adagrad(
     lr: float = 0.5,
     eps: float = 1.0,
     process_group: Optional[dist.ProcessGroup] = None,
-) -> torch.optim.Adagrad:
-    """Register PyTorch's ``allreduce_hook`` on ``ddp_model`` and return an Adagrad optimizer.
+) -> Tuple[AllreduceCounter, torch.optim.Adagrad]:
+    """Register PyTorch's ``allreduce_hook`` (counted) on ``ddp_model``; return it with an Adagrad optimizer.
 
     Args:
         ddp_model: the DDP model.
@@ -49,16 +65,19 @@ def build_sync_adagrad(
         >>> dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "s"),
         ...                         rank=0, world_size=1)
         >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
-        >>> opt = build_sync_adagrad(model, lr=0.1)
+        >>> counter, opt = build_sync_adagrad(model, lr=0.1)
         >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> counter.allreduce_calls
+        1
         >>> dist.destroy_process_group()
     """
     _check_ddp_model(ddp_model)
     _check_positive("lr", lr, "it is the learning rate")
     _check_positive("eps", eps, "eps^2 is the initial accumulator value")
     check_process_group("process_group", process_group)
-    ddp_model.register_comm_hook(process_group, default_hooks.allreduce_hook)
-    return torch.optim.Adagrad(ddp_model.parameters(), lr=lr, initial_accumulator_value=eps * eps, eps=1e-10)
+    counter = AllreduceCounter(process_group)
+    ddp_model.register_comm_hook(counter, counting_allreduce_hook)
+    return counter, torch.optim.Adagrad(ddp_model.parameters(), lr=lr, initial_accumulator_value=eps * eps, eps=1e-10)
 
 
 def build_local_sgd(
