@@ -210,10 +210,11 @@ class LocalAdaAlter(torch.optim.Optimizer):
             a.zero_()
 
     def state_dict(self) -> Dict[str, Any]:
-        """The accumulators, hyperparameters and the schedule (tensors, ints, floats, bools)."""
+        """Accumulators, hyperparameters, the schedule and the counters ``amp_agreements``, ``averagings``."""
         sd = super().state_dict()
         sd["schedule"] = self.schedule.state_dict()
         sd["amp_agreements"] = self.amp_agreements
+        sd["averagings"] = self.averager.averagings
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -223,6 +224,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
             raise ValueError("this state dict has no 'schedule' entry; it was not saved by LocalAdaAlter.state_dict()")
         self.schedule.load_state_dict(state_dict.pop("schedule"))
         self.amp_agreements = int(state_dict.pop("amp_agreements", 0))
+        self.averager.averagings = int(state_dict.pop("averagings", 0))
         super().load_state_dict(state_dict)
 
 

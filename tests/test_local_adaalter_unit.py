@@ -146,7 +146,9 @@ def test_state_dicts_load_with_weights_only_and_resume_exactly():
     ckpt = torch.load(buf, weights_only=True)
     w = torch.nn.Parameter(ckpt["w"].clone())
     opt2 = LocalAdaAlter([w], lr=0.5, eps=1.0, period=3, warmup_steps=2)
-    opt2.load_state_dict(ckpt["opt"])
+    assert ckpt["opt"]["averagings"] == 0  # one process: no collective was needed
+    opt2.load_state_dict({**ckpt["opt"], "averagings": 5})
+    assert opt2.averager.averagings == 5
     hook2 = LocalSGDState(warmup_steps=2)
     hook2.load_state_dict(ckpt["hook"])
     assert hook2.schedule.state_dict() == opt2.schedule.state_dict() == {"warmup_steps": 2, "period": 3,
