@@ -170,6 +170,10 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     last = bucket.is_last()
     if bucket.index() == 0 and state._pending_global:
         state._pending_global = []  # left over from a backward that raised
+    # Parameter keys are assigned at the very first call, warm-up included, so
+    # that a resumed run (which starts on DDP's initial buckets) numbers the
+    # parameters exactly as the uninterrupted run did.
+    layout = state._layout(bucket)
     if state.step < state.warmup_steps:
         n = buffer.numel()
         state._stats.add(n, n * buffer.element_size(), n, n * buffer.element_size())
@@ -178,7 +182,6 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             state._end_step(bucket.index(), compressed=False)
         return fut
     step = state.step
-    layout = state._layout(bucket)
     p = _compensated(state, bucket, layout)
     if state.scope == "global":
         pending: torch.futures.Future = torch.futures.Future()
