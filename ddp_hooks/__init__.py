@@ -5,12 +5,34 @@ Sparsification with error feedback (Eghlidi & Jaggi, 2020)::
     from ddp_hooks import SparsifyState, sparsify_hook
     ddp_model.register_comm_hook(SparsifyState(method="random_block", density=0.01), sparsify_hook)
 
+Local AdaAlter (Xie, Koyejo, Gupta, Lin, 2019)::
+
+    from ddp_hooks import build_local_adaalter
+    hook_state, opt = build_local_adaalter(ddp_model, lr=0.5, eps=1.0, period=4, warmup_steps=600)
+
 Test helpers live in :mod:`ddp_hooks.testing`.
 """
 
+from .adaalter import LocalAdaAlter, build_local_adaalter
+from .averager import AdaAlterAverager
+from .baselines import build_local_sgd, build_sync_adagrad
+from .local_sgd import LocalSGDState, local_sgd_hook
+from .schedule import LocalAdaAlterSchedule
 from .sparsify import sparsify_hook
 from .sparsify_state import SparsifyState
 
 __version__ = "0.1.0"
 
-__all__ = ["SparsifyState", "sparsify_hook", "__version__"]
+__all__ = [
+    "SparsifyState",
+    "sparsify_hook",
+    "LocalAdaAlter",
+    "build_local_adaalter",
+    "AdaAlterAverager",
+    "LocalSGDState",
+    "local_sgd_hook",
+    "LocalAdaAlterSchedule",
+    "build_sync_adagrad",
+    "build_local_sgd",
+    "__version__",
+]
