@@ -51,6 +51,48 @@ def derive_seed(seed: int, step: int, unit: int, rank: int = SHARED) -> int:
     return h
 
 
+def _to_signed(x: int) -> int:
+    """A 64-bit pattern as the int64 value torch stores for it."""
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GAMMA = _to_signed(0x9E3779B97F4A7C15)
+_MUL1 = _to_signed(0xBF58476D1CE4E5B9)
+_MUL2 = _to_signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """:func:`derive_seed`'s mixer applied elementwise to an int64 tensor (bit patterns, mod 2**64).
+
+    Equal bit for bit to the Python version (``tests/test_sparsify_unit.py``
+    checks it), on any device: it is what lets every coordinate of a random
+    selection be a pure function of ``(seed, step, unit, rank, counter)``
+    computed in a few vectorised integer operations, with no generator per
+    unit. Multiplication wraps modulo 2**64, as two's-complement int64 does.
+
+    Example::
+
+        >>> import torch
+        >>> x = torch.tensor([0, 1, 2**40])
+        >>> splitmix64_tensor(x).tolist() == [_to_signed(_splitmix64(v)) for v in (0, 1, 2**40)]
+        True
+    """
+    x = x + _GAMMA
+    x = (x ^ _shift_right(x, 30)) * _MUL1
+    x = (x ^ _shift_right(x, 27)) * _MUL2
+    return x ^ _shift_right(x, 31)
+
+
+def uniform_below(bits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Map 64-bit hashes to integers in ``[0, bound)`` (bias below ``bound / 2**63``)."""
+    return _shift_right(bits, 1) % bound
+
+
 def generator_for(seed64: int, device: torch.device) -> torch.Generator:
     """A ``torch.Generator`` on ``device`` seeded from a :func:`derive_seed` value.
 

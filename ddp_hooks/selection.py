@@ -5,8 +5,8 @@ A *unit* is a contiguous range ``[offset, offset + numel)`` of a flat vector
 unit gets a budget ``k = ceil(density * numel)`` and a selector returns the
 absolute positions of the ``k`` coordinates it keeps:
 
-* ``topk``: the k entries of largest magnitude (ties broken by ``torch.topk``).
-* ``randomk``: a uniformly random k-subset.
+* ``topk``: the k entries of largest magnitude (exact; :mod:`ddp_hooks.topk_selection`).
+* ``randomk``: a uniformly random k-subset (:mod:`ddp_hooks.randomk_selection`).
 * ``random_block``: the k consecutive positions starting at a uniformly random
   offset ``s`` and *wrapping around* the end of the unit, ``(s + j) mod n``
   for ``j < k``. Every coordinate is then covered with probability exactly
@@ -34,17 +34,16 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Sequence
+from functools import lru_cache
+from typing import NamedTuple, Sequence, Tuple
 
 import torch
 
-from .seeding import SHARED, derive_seed, generator_for
+from .randomk_selection import random_subsets
+from .seeding import SHARED, derive_seed
+from .topk_selection import topk_units
 
 METHODS = ("topk", "randomk", "random_block")
-
-# Below this many elements a random k-subset comes from a full permutation;
-# above it, from draws with replacement, which cost O(k) instead of O(n).
-_PERMUTATION_LIMIT = 1 << 16
 
 
 class Unit(NamedTuple):
@@ -68,63 +67,28 @@ def total_budget(units: Sequence[Unit], density: float) -> int:
     return sum(budget(u.numel, density) for u in units)
 
 
-def random_subset(n: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """A uniformly random k-subset of ``range(n)`` as an int64 tensor (unordered).
-
-    For large ``n`` it draws with replacement until ``k`` distinct values
-    appear, then keeps a uniformly random ``k`` of them; by symmetry the
-    result is a uniform k-subset, at O(k log k) instead of O(n).
-    """
-    if k >= n:
-        return torch.arange(n, device=device)
-    if n <= _PERMUTATION_LIMIT or 4 * k >= n:
-        return torch.randperm(n, generator=generator, device=device)[:k]
-    draws = k + (k * k) // n + 64
-    while True:
-        candidates = torch.unique(torch.randint(0, n, (draws,), generator=generator, device=device))
-        if candidates.numel() >= k:
-            keep = torch.randperm(candidates.numel(), generator=generator, device=device)[:k]
-            return candidates[keep]
-        draws *= 2
-
-
-def topk_positions(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the ``k`` largest magnitudes of a 1-D tensor (exact, unordered).
-
-    ``torch.topk`` over millions of entries costs tens of times a pass over
-    them. For large inputs a threshold is first estimated from an evenly
-    strided sample of magnitudes, aimed at about ``2k`` candidates; the exact
-    top-k of the candidates is the exact top-k of the whole (any entry above
-    the k-th largest is above the threshold). When the estimate lets through
-    fewer than ``k`` candidates, the full ``torch.topk`` is used instead, so
-    the result never depends on the sample, only the speed does.
-    """
-    n = values.numel()
-    magnitude = values.abs()
-    if n < (1 << 17) or 16 * k > n:
-        return torch.topk(magnitude, k, sorted=False).indices
-    sample = magnitude[:: n // (1 << 14)]
-    rank_in_sample = max(1, sample.numel() - (2 * k * sample.numel()) // n)
-    threshold = sample.kthvalue(rank_in_sample).values
-    candidates = torch.nonzero(magnitude >= threshold).squeeze(1)
-    if candidates.numel() < k:
-        return torch.topk(magnitude, k, sorted=False).indices
-    return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
+@lru_cache(maxsize=256)
+def _block_plan(sizes: Tuple[int, ...], offsets: Tuple[int, ...], ks: Tuple[int, ...], device: torch.device):
+    """Per-position (unit index, index within the block, unit size, unit offset) of a block layout."""
+    ks_t = torch.tensor(ks, device=device)
+    total = int(sum(ks))
+    unit = torch.repeat_interleave(torch.arange(len(ks), device=device), ks_t, output_size=total)
+    first = torch.cumsum(ks_t, 0) - ks_t
+    within = torch.arange(total, device=device) - first.index_select(0, unit)
+    size = torch.tensor(sizes, device=device).index_select(0, unit)
+    offset = torch.tensor(offsets, device=device).index_select(0, unit)
+    return unit, within, size, offset
 
 
 def _block_positions(units: Sequence[Unit], ks: Sequence[int], starts: Sequence[int], device) -> torch.Tensor:
-    """Absolute positions of one wrapped block per unit, built with a few vector ops."""
+    """Absolute positions of one wrapped block per unit: ``offset + (start + j) mod n``, ``j < k``."""
     if len(units) == 1:
         (u,), (k,), (s,) = units, ks, starts
         return torch.arange(s, s + k, device=device).remainder_(u.numel).add_(u.offset)
-    ks_t = torch.tensor(ks, device=device)
-    total = int(sum(ks))
-    first = torch.cumsum(ks_t, 0) - ks_t  # where each unit's block begins in the output
-    within = torch.arange(total, device=device) - torch.repeat_interleave(first, ks_t, output_size=total)
-    starts_t = torch.repeat_interleave(torch.tensor(starts, device=device), ks_t, output_size=total)
-    sizes_t = torch.repeat_interleave(torch.tensor([u.numel for u in units], device=device), ks_t, output_size=total)
-    offsets_t = torch.repeat_interleave(torch.tensor([u.offset for u in units], device=device), ks_t, output_size=total)
-    return (within + starts_t).remainder_(sizes_t).add_(offsets_t)
+    unit, within, size, offset = _block_plan(tuple(u.numel for u in units), tuple(u.offset for u in units),
+                                             tuple(ks), torch.device(device))
+    start = torch.tensor(starts, device=device).index_select(0, unit)
+    return (within + start).remainder_(size).add_(offset)
 
 
 def select(
@@ -158,15 +122,18 @@ def select(
             0 if k == u.numel else derive_seed(seed, step, u.key, rank) % u.numel for u, k in zip(units, ks)
         ]
         return _block_positions(units, ks, starts, device)
-    parts: List[torch.Tensor] = []
-    for u, k in zip(units, ks):
-        if k == u.numel:
-            parts.append(torch.arange(u.offset, u.offset + u.numel, device=device))
-        elif method == "topk":
-            parts.append(topk_positions(values[u.offset : u.offset + u.numel], k).add_(u.offset))
-        elif method == "randomk":
-            gen = generator_for(derive_seed(seed, step, u.key, rank), device)
-            parts.append(random_subset(u.numel, k, gen, device).add_(u.offset))
-        else:
-            raise ValueError(f"`method` must be one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
+    if all(k == u.numel for u, k in zip(units, ks)):  # density 1: everything, in order
+        return torch.cat([torch.arange(u.offset, u.offset + u.numel, device=device) for u in units])
+    if not _ascending(units):  # the vectorised selectors need units in increasing position
+        return torch.cat([select(method, values, [u], density, seed, step, rank) for u in units])
+    offsets, sizes = [u.offset for u in units], [u.numel for u in units]
+    if method == "topk":
+        return topk_units(values, offsets, sizes, ks)
+    seeds = [derive_seed(seed, step, u.key, rank) for u in units]
+    return random_subsets(offsets, sizes, ks, seeds, device)
+
+
+def _ascending(units: Sequence[Unit]) -> bool:
+    return all(a.offset + a.numel <= b.offset for a, b in zip(units, units[1:]))

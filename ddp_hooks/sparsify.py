@@ -65,7 +65,7 @@ def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], targ
     group, world, rank = state._group, state._world_size, state._rank
     shared = state.aggregation == "allreduce"
     positions = select(state.method, p, units, state.density, state.seed, step, SHARED if shared else rank)
-    values = p[positions]
+    values = p.index_select(0, positions)
     wire = values.to(target.dtype)
     if state.error_feedback:
         if wire.dtype == torch.float32:

@@ -6,7 +6,7 @@ import torch
 from ddp_hooks import SparsifyState
 from ddp_hooks.residuals import ResidualStore
 from ddp_hooks.seeding import SHARED, derive_seed
-from ddp_hooks.selection import Unit, budget, random_subset, select
+from ddp_hooks.selection import Unit, budget, select
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
@@ -89,11 +89,40 @@ def test_random_choice_is_a_function_of_seed_step_unit_and_rank():
     assert derive_seed(9, 2, 3, SHARED) != derive_seed(9, 2, 3, 0)
 
 
-def test_large_random_subset_is_uniform_and_distinct():
-    gen = torch.Generator().manual_seed(0)
-    idx = random_subset(10_000_000, 100_000, gen, torch.device("cpu"))
-    assert idx.unique().numel() == 100_000
-    assert abs(idx.double().mean().item() - 5e6) < 5e4
+def test_large_random_subsets_are_uniform_and_distinct():
+    from ddp_hooks.randomk_selection import random_subsets
+
+    idx = random_subsets([0, 10_000_000], [10_000_000, 500_000], [100_000, 5_000], [1, 2], torch.device("cpu"))
+    first, second = idx[:100_000], idx[100_000:]
+    assert first.unique().numel() == 100_000 and second.unique().numel() == 5_000
+    assert first.max() < 10_000_000 <= second.min() and second.max() < 10_500_000
+    assert abs(first.double().mean().item() - 5e6) < 3e4  # std of the mean: 2.9e6 / sqrt(1e5) = 9.1e3
+    counts = torch.bincount(first // 100_000, minlength=100).double()  # 1000 expected per bin
+    assert ((counts - 1000) ** 2 / 1000).sum().item() < 160  # chi-square, 99 dof: p < 1e-4 above 160
+
+
+def test_random_subsets_cover_all_positions_alike_across_steps():
+    from ddp_hooks.randomk_selection import random_subsets
+
+    # a drawn unit (n > 4096, 4k < n) and an enumerated one, over many seeds
+    n_big, n_small, counts_big, counts_small = 8192, 40, torch.zeros(8192), torch.zeros(40)
+    for seed in range(300):
+        idx = random_subsets([0, n_big], [n_big, n_small], [400, 4], [seed, seed + 10**6], torch.device("cpu"))
+        counts_big += torch.bincount(idx[:400], minlength=n_big)
+        counts_small += torch.bincount(idx[400:] - n_big, minlength=n_small)
+    assert counts_big.sum() == 300 * 400 and counts_small.sum() == 300 * 4
+    # each position of the big unit: Binomial(300, 400/8192), mean 14.6; a position the sampler
+    # favoured or starved would show up in the spread of the counts
+    assert abs(counts_big.var().item() - 300 * (400 / 8192) * (1 - 400 / 8192)) < 2.0
+    assert counts_small.min() > 10 and counts_small.max() < 50  # mean 30
+
+
+def test_tensor_mixer_equals_the_python_one():
+    from ddp_hooks.seeding import _splitmix64, _to_signed, splitmix64_tensor
+
+    values = [0, 1, 2**62 + 12345, -(2**63), -1, 987654321987654321]
+    mixed = splitmix64_tensor(torch.tensor(values)).tolist()
+    assert mixed == [_to_signed(_splitmix64(v & ((1 << 64) - 1))) for v in values]
 
 
 def test_selection_does_not_touch_the_global_rng():
@@ -133,22 +162,38 @@ def test_state_dict_loads_with_weights_only(tmp_path):
         SparsifyState(method="randomk", density=0.1, seed=4).load_state_dict(sd)
 
 
-@pytest.mark.parametrize("n,k", [(1 << 20, 1000), (1 << 20, 60_000), (300_000, 17)])
+@pytest.mark.parametrize("n,k", [(1 << 20, 1000), (1 << 20, 60_000), (300_000, 17), (1 << 20, 200_000)])
 def test_fast_topk_equals_torch_topk(n, k):
-    from ddp_hooks.selection import topk_positions
+    from ddp_hooks.topk_selection import topk_units
 
     x = torch.randn(n)
     x[::7] *= 10  # structure aligned with no particular stride
-    fast = topk_positions(x, k)
+    fast = topk_units(x, [0], [n], [k])
     exact = torch.topk(x.abs(), k).indices
     assert fast.numel() == k
     assert torch.equal(fast.sort().values, exact.sort().values)
 
 
+def test_fast_topk_of_many_units_equals_torch_topk_per_unit():
+    from ddp_hooks.topk_selection import topk_units
+
+    sizes = [5, 40_000, 100, 70_000, 3, 200_000]
+    offsets = [sum(sizes[:i]) + 2 * i for i in range(len(sizes))]  # gaps between units are never chosen
+    x = torch.randn(offsets[-1] + sizes[-1]) * torch.linspace(0.1, 10, offsets[-1] + sizes[-1])
+    ks = [budget(n, 0.01) for n in sizes]
+    got = topk_units(x, offsets, sizes, ks)
+    at = 0
+    for o, n, k in zip(offsets, sizes, ks):
+        exact = torch.topk(x[o:o + n].abs(), k).indices + o
+        assert torch.equal(got[at:at + k].sort().values, exact.sort().values)
+        at += k
+    assert at == got.numel()
+
+
 def test_fast_topk_falls_back_when_the_sample_misleads():
-    from ddp_hooks.selection import topk_positions
+    from ddp_hooks.topk_selection import topk_units
 
     x = torch.zeros(1 << 20)
     x[1::2] = torch.rand(1 << 19) + 1  # the strided sample sees only zeros
-    fast = topk_positions(x, 5000)
+    fast = topk_units(x, [0], [1 << 20], [5000])
     assert torch.equal(fast.sort().values, torch.topk(x.abs(), 5000).indices.sort().values)

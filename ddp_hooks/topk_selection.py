@@ -1,0 +1,109 @@
+"""Exact top-k of many units at once, through sampled thresholds.
+
+For each unit ``u`` (a range ``[offset_u, offset_u + n_u)`` of a flat vector
+with budget ``k_u``) the positions of the ``k_u`` largest magnitudes are
+wanted. ``torch.topk`` over millions of entries costs tens of passes over
+them, and one call per layer multiplies the fixed costs. Instead:
+
+1. ``|p|`` once over the whole vector;
+2. per unit, a threshold ``t_u`` from an evenly strided sample of ``|p|``,
+   aimed at about ``1.5 k_u`` entries above it (small units: ``t_u = 0``, every
+   entry is a candidate);
+3. one candidate mask ``|p| >= t_u`` and its positions
+   (:func:`~ddp_hooks.segments.true_positions`);
+4. the exact top ``k_u`` of each unit's candidates by one segmented sort
+   (:func:`~ddp_hooks.segments.smallest_per_segment`).
+
+Every entry above the ``k_u``-th largest magnitude is above ``t_u`` whenever
+at least ``k_u`` entries are, so the result is the exact top-k. A unit whose
+sample misled (fewer than ``k_u`` candidates), and a large unit whose budget
+is a big fraction of it, gets a plain ``torch.topk`` instead: the sample only
+changes the speed, never the result. Ties between equal magnitudes go to the
+lower position.
+
+Example::
+
+    >>> import torch
+    >>> p = torch.tensor([0.5, -4.0, 1.0, 3.0, 0.0, -2.0])
+    >>> topk_units(p, offsets=[0, 3], sizes=[3, 3], ks=[2, 1]).tolist()
+    [1, 2, 3]
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from .segments import smallest_per_segment, true_positions
+
+__all__ = ["topk_units"]
+
+# Units smaller than this take every entry as a candidate (no sampling).
+_SMALL = 1 << 15
+# Units whose budget exceeds 1/_SPARSE of them use torch.topk directly.
+_SPARSE = 8
+# Candidates aimed at per unit, as a multiple of its budget.
+_AIM = 1.5
+# Sampled entries expected above each threshold (sets the sample size).
+_HITS = 128
+_INT32_MAX = (1 << 31) - 1
+
+
+def _threshold(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """A magnitude with about ``_AIM * k`` entries of ``magnitude`` at or above it."""
+    n = magnitude.numel()
+    samples = min(n, max(1024, int(_HITS * n / (_AIM * k))))
+    sample = magnitude[:: max(1, n // samples)]
+    above = max(1, int(sample.numel() * _AIM * k / n))
+    return sample.kthvalue(max(1, sample.numel() - above + 1)).values
+
+
+def topk_units(values: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int],
+               ks: Sequence[int]) -> torch.Tensor:
+    """Absolute positions of the ``ks[u]`` largest ``|values|`` in each unit, unit by unit.
+
+    Args:
+        values (Tensor): flat float vector holding the units.
+        offsets, sizes (ints): each unit's first position and length;
+            offsets must increase and units must not overlap.
+        ks (ints): each unit's budget, ``1 <= ks[u] <= sizes[u]``.
+    """
+    device = values.device
+    magnitude = values.abs()
+    padded = (values.numel() + 7) // 8 * 8
+    mask = torch.zeros(padded, dtype=torch.bool, device=device)
+    direct: List[int] = []  # units answered by torch.topk
+    for u, (o, n, k) in enumerate(zip(offsets, sizes, ks)):
+        if n < _SMALL:
+            mask[o:o + n] = True
+        elif _SPARSE * k > n:
+            direct.append(u)
+        else:
+            piece = magnitude[o:o + n]
+            torch.ge(piece, _threshold(piece, k), out=mask[o:o + n])
+    candidates = true_positions(mask)
+    offsets_t = torch.tensor(offsets, device=device)
+    ks_t = torch.tensor(ks, device=device)
+    unit = torch.searchsorted(offsets_t, candidates, right=True) - 1
+    found = torch.bincount(unit, minlength=len(ks))
+    short = [u for u in torch.nonzero(found < ks_t).squeeze(1).tolist() if u not in direct]
+    direct = sorted(direct + short)
+    if direct:
+        ks_t = ks_t.clone()
+        ks_t[direct] = 0  # their candidates, if any, are dropped below
+    # Sort by unit, then by decreasing magnitude: the bits of a non-negative
+    # float32 order like the floats, so the key is INT32_MAX - bits.
+    key = _INT32_MAX - magnitude.index_select(0, candidates).float().view(torch.int32).long()
+    chosen = candidates.index_select(0, smallest_per_segment(unit, key, ks_t, len(ks)))
+    if not direct:
+        return chosen
+    parts: List[torch.Tensor] = []
+    taken = 0
+    for u, (o, n, k) in enumerate(zip(offsets, sizes, ks)):
+        if u in direct:
+            parts.append(torch.topk(magnitude[o:o + n], k, sorted=False).indices.add_(o))
+        else:
+            parts.append(chosen[taken:taken + k])
+            taken += k
+    return torch.cat(parts)
