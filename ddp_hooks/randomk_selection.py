@@ -1,7 +1,7 @@
 """Uniform random k-subsets of many units at once, from a counter-based hash.
 
 Each unit ``u`` (a range ``[offset_u, offset_u + n_u)`` with budget ``k_u``
-and its own 64-bit seed ``s_u`` from :func:`~ddp_hooks.seeding.derive_seed`)
+and its own 64-bit seed ``s_u = derive_seed(seed, step, key_u, rank)``, derived on the device)
 needs ``k_u`` distinct positions, every ``k_u``-subset equally likely. All
 units are drawn together, with no generator per unit:
 
@@ -23,7 +23,8 @@ seeds, identical on every device.
 Example::
 
     >>> import torch
-    >>> idx = random_subsets([0, 100], [100, 10_000], [5, 50], [11, 12], torch.device("cpu"))
+    >>> idx = random_subsets([0, 100], [100, 10_000], [5, 50], keys=[3, 4], seed=0, step=7, rank=-1,
+    ...                      device=torch.device("cpu"))
     >>> idx.numel(), bool((idx[:5] < 100).all()), bool((idx[5:] >= 100).all()), idx.unique().numel()
     (55, True, True, 55)
 """
@@ -31,11 +32,12 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from functools import lru_cache
+from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
 
-from .seeding import _GAMMA, _to_signed, generator_for, splitmix64_tensor, uniform_below
+from .seeding import _GAMMA, derive_seed, derive_seeds, generator_for, splitmix64_tensor, uniform_below
 
 __all__ = ["random_subsets"]
 
@@ -49,64 +51,93 @@ def _draws(n: int, k: int) -> int:
     return int(expected + 3 * math.sqrt(expected)) + 64
 
 
-def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int],
-                   seeds: Sequence[int], device: torch.device) -> torch.Tensor:
+def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int], keys: Sequence[int],
+                   seed: int, step: int, rank: int, device: torch.device) -> torch.Tensor:
     """Absolute positions: a uniform ``ks[u]``-subset of each unit, unit by unit (unordered within a unit).
 
     Args:
         offsets, sizes (ints): each unit's first position and length.
         ks (ints): each unit's budget, ``1 <= ks[u] <= sizes[u]``.
-        seeds (ints): each unit's 64-bit seed.
+        keys (ints): each unit's key; with ``seed``, ``step`` and ``rank`` it
+            gives the unit's seed ``derive_seed(seed, step, key, rank)``.
         device: where the positions are made.
     """
     dense = [n > _DRAW_LIMIT and 4 * k >= n for n, k in zip(sizes, ks)]
     drawn = [u for u, d in enumerate(dense) if not d]
-    from_draws = _first_distinct_draws([offsets[u] for u in drawn], [sizes[u] for u in drawn],
-                                       [ks[u] for u in drawn], [seeds[u] for u in drawn],
-                                       [_draws(sizes[u], ks[u]) for u in drawn], device) if drawn else None
+    from_draws = None
+    if drawn:
+        plan = _plan(tuple(offsets[u] for u in drawn), tuple(sizes[u] for u in drawn),
+                     tuple(ks[u] for u in drawn), tuple(keys[u] for u in drawn),
+                     tuple(_draws(sizes[u], ks[u]) for u in drawn), torch.device(device))
+        from_draws = _first_distinct_draws(plan, seed, step, rank)
     if not any(dense):
         return from_draws
     parts: List[torch.Tensor] = []
     taken = 0
-    for o, n, k, s, d in zip(offsets, sizes, ks, seeds, dense):
+    for o, n, k, key, d in zip(offsets, sizes, ks, keys, dense):
         if d:
-            parts.append(torch.randperm(n, generator=generator_for(s, device), device=device)[:k].add_(o))
+            gen = generator_for(derive_seed(seed, step, key, rank), device)
+            parts.append(torch.randperm(n, generator=gen, device=device)[:k].add_(o))
         else:
             parts.append(from_draws[taken:taken + k])
             taken += k
     return torch.cat(parts)
 
 
-def _first_distinct_draws(offsets, sizes, ks, seeds, draws, device) -> torch.Tensor:
-    """For each unit, the first ``k_u`` distinct values of ``d_u`` hashed draws (one stable sort)."""
-    units = len(sizes)
+class _Plan(NamedTuple):
+    """Device tensors of one layout of drawn units; only the seeds change from step to step."""
+
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    ks: Tuple[int, ...]
+    keys: Tuple[int, ...]
+    draws: Tuple[int, ...]
+    unit: torch.Tensor  # unit of each draw
+    j: torch.Tensor  # index of each draw within its unit
+    size: torch.Tensor  # size of the unit of each draw
+    first: torch.Tensor  # first draw of each unit
+    last: torch.Tensor  # last draw of each unit
+    ks_t: torch.Tensor
+    offsets_t: torch.Tensor
+    keys_t: torch.Tensor
+    position_bits: int
+
+
+@lru_cache(maxsize=256)
+def _plan(offsets, sizes, ks, keys, draws, device) -> _Plan:
     counts = torch.tensor(draws, device=device)
-    unit = torch.repeat_interleave(torch.arange(units, device=device), counts, output_size=sum(draws))
+    unit = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=sum(draws))
     first = torch.cumsum(counts, 0) - counts
     j = torch.arange(unit.numel(), device=device) - first.index_select(0, unit)
-    seed = torch.tensor([_to_signed(s) for s in seeds], device=device).index_select(0, unit)
     size = torch.tensor(sizes, device=device).index_select(0, unit)
-    position = uniform_below(splitmix64_tensor(seed + j * _GAMMA), size)
+    return _Plan(offsets, sizes, ks, keys, draws, unit, j, size, first, first + counts - 1,
+                 torch.tensor(ks, device=device), torch.tensor(offsets, device=device),
+                 torch.tensor(keys, device=device), max(1, (max(sizes) - 1).bit_length()))
+
+
+def _first_distinct_draws(plan: _Plan, seed: int, step: int, rank: int) -> torch.Tensor:
+    """For each unit, the first ``k_u`` distinct values of ``d_u`` hashed draws (one stable sort)."""
+    unit, first = plan.unit, plan.first
+    unit_seed = derive_seeds(seed, step, plan.keys_t, rank).index_select(0, unit)
+    position = uniform_below(splitmix64_tensor(unit_seed + plan.j * _GAMMA), plan.size)
     # Stable sort by (unit, position): the first entry of each run of equal
     # values is that value's first draw.
-    position_bits = max(1, (max(sizes) - 1).bit_length())
-    composite = (unit << position_bits) | position
-    if position_bits + units.bit_length() <= 31:
+    composite = (unit << plan.position_bits) | position
+    if plan.position_bits + len(plan.sizes).bit_length() <= 31:
         composite = composite.int()  # int32 sorts about twice as fast as int64 on the CPU
     grouped, order = torch.sort(composite, stable=True)
     first_of_run = torch.ones_like(grouped, dtype=torch.bool)
     first_of_run[1:] = grouped[1:] != grouped[:-1]
     new_value = torch.empty_like(first_of_run).scatter_(0, order, first_of_run)  # back in draw order
     seen_before = torch.cumsum(new_value, 0) - new_value.long()  # distinct values drawn earlier
-    rank = seen_before - seen_before.index_select(0, first).index_select(0, unit)
-    ks_t = torch.tensor(ks, device=device)
-    have = rank.index_select(0, first + counts - 1) + new_value.index_select(0, first + counts - 1)
-    short = torch.nonzero(have < ks_t).squeeze(1).tolist()
+    rank_in_unit = seen_before - seen_before.index_select(0, first).index_select(0, unit)
+    have = rank_in_unit.index_select(0, plan.last) + new_value.index_select(0, plan.last)
+    short = torch.nonzero(have < plan.ks_t).squeeze(1).tolist()  # a device-to-host sync
     if short:  # very unlikely: those units draw twice as many
-        more = list(draws)
+        more = list(plan.draws)
         for u in short:
-            more[u] = 2 * draws[u]
-        return _first_distinct_draws(offsets, sizes, ks, seeds, more, device)
-    keep = torch.nonzero(new_value & (rank < ks_t.index_select(0, unit))).squeeze(1)
-    offsets_t = torch.tensor(offsets, device=device)
-    return position.index_select(0, keep) + offsets_t.index_select(0, unit.index_select(0, keep))
+            more[u] = 2 * more[u]
+        bigger = _plan(plan.offsets, plan.sizes, plan.ks, plan.keys, tuple(more), unit.device)
+        return _first_distinct_draws(bigger, seed, step, rank)
+    keep = torch.nonzero(new_value & (rank_in_unit < plan.ks_t.index_select(0, unit))).squeeze(1)
+    return position.index_select(0, keep) + plan.offsets_t.index_select(0, unit.index_select(0, keep))

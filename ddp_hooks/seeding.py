@@ -88,6 +88,24 @@ def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 31)
 
 
+def derive_seeds(seed: int, step: int, units: torch.Tensor, rank: int = SHARED) -> torch.Tensor:
+    """:func:`derive_seed` for a tensor of unit keys at once, as int64 bit patterns, on ``units.device``.
+
+    Only ``seed`` and ``step`` are mixed on the host; the rest runs on the
+    device, so no tensor is copied between host and device.
+
+    Example::
+
+        >>> import torch
+        >>> got = derive_seeds(7, 3, torch.tensor([0, 5]), rank=2).tolist()
+        >>> got == [_to_signed(derive_seed(7, 3, u, 2)) for u in (0, 5)]
+        True
+    """
+    h = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    h = splitmix64_tensor(units ^ _to_signed(h))
+    return splitmix64_tensor(h ^ _to_signed(rank & _MASK64))
+
+
 def uniform_below(bits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     """Map 64-bit hashes to integers in ``[0, bound)`` (bias below ``bound / 2**63``)."""
     return _shift_right(bits, 1) % bound

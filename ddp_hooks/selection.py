@@ -40,7 +40,7 @@ from typing import NamedTuple, Sequence, Tuple
 import torch
 
 from .randomk_selection import random_subsets
-from .seeding import SHARED, derive_seed
+from .seeding import _MASK64, SHARED, _shift_right, derive_seed, derive_seeds
 from .topk_selection import topk_units
 
 METHODS = ("topk", "randomk", "random_block")
@@ -68,27 +68,45 @@ def total_budget(units: Sequence[Unit], density: float) -> int:
 
 
 @lru_cache(maxsize=256)
-def _block_plan(sizes: Tuple[int, ...], offsets: Tuple[int, ...], ks: Tuple[int, ...], device: torch.device):
-    """Per-position (unit index, index within the block, unit size, unit offset) of a block layout."""
+def _block_plan(units: Tuple[Unit, ...], ks: Tuple[int, ...], device: torch.device):
+    """Device tensors describing one block per unit: per position, its index within the block, its
+    unit's offset and index; per unit, size, key and whether it is sent whole. Cached: a bucket's
+    layout rarely changes."""
     ks_t = torch.tensor(ks, device=device)
     total = int(sum(ks))
     unit = torch.repeat_interleave(torch.arange(len(ks), device=device), ks_t, output_size=total)
-    first = torch.cumsum(ks_t, 0) - ks_t
-    within = torch.arange(total, device=device) - first.index_select(0, unit)
-    size = torch.tensor(sizes, device=device).index_select(0, unit)
-    offset = torch.tensor(offsets, device=device).index_select(0, unit)
-    return unit, within, size, offset
+    within = torch.arange(total, device=device) - (torch.cumsum(ks_t, 0) - ks_t).index_select(0, unit)
+    size = torch.tensor([u.numel for u in units], device=device)
+    offset = torch.tensor([u.offset for u in units], device=device).index_select(0, unit)
+    keys = torch.tensor([u.key for u in units], device=device)
+    whole = [k == u.numel for u, k in zip(units, ks)]  # sent whole: the block starts at 0
+    whole = torch.tensor(whole, device=device) if any(whole) else None
+    return within, size, offset, unit, keys, whole
 
 
-def _block_positions(units: Sequence[Unit], ks: Sequence[int], starts: Sequence[int], device) -> torch.Tensor:
-    """Absolute positions of one wrapped block per unit: ``offset + (start + j) mod n``, ``j < k``."""
+def _block_start(seed64: int, numel: int) -> int:
+    """The block's first position within its unit, from the unit's derived seed."""
+    return ((seed64 & _MASK64) >> 1) % numel
+
+
+def _block_positions(units: Sequence[Unit], ks: Sequence[int], seed: int, step: int, rank: int,
+                     device: torch.device) -> torch.Tensor:
+    """Absolute positions of one wrapped block per unit: ``offset + (start + j) mod n``, ``j < k``.
+
+    A unit sent whole starts at 0. With several units the starts are derived
+    on the device (:func:`~ddp_hooks.seeding.derive_seeds`), so on a GPU no
+    tensor crosses between host and device.
+    """
     if len(units) == 1:
-        (u,), (k,), (s,) = units, ks, starts
+        (u,), (k,) = units, ks
+        s = 0 if k == u.numel else _block_start(derive_seed(seed, step, u.key, rank), u.numel)
         return torch.arange(s, s + k, device=device).remainder_(u.numel).add_(u.offset)
-    unit, within, size, offset = _block_plan(tuple(u.numel for u in units), tuple(u.offset for u in units),
-                                             tuple(ks), torch.device(device))
-    start = torch.tensor(starts, device=device).index_select(0, unit)
-    return (within + start).remainder_(size).add_(offset)
+    within, size, offset, unit, keys, whole = _block_plan(tuple(units), tuple(ks), torch.device(device))
+    start = _shift_right(derive_seeds(seed, step, keys, rank), 1).remainder_(size)
+    if whole is not None:
+        start.masked_fill_(whole, 0)
+    per_position = start.index_select(0, unit)
+    return (within + per_position).remainder_(size.index_select(0, unit)).add_(offset)
 
 
 def select(
@@ -118,10 +136,7 @@ def select(
     device = values.device
     ks = [budget(u.numel, density) for u in units]
     if method == "random_block":
-        starts = [
-            0 if k == u.numel else derive_seed(seed, step, u.key, rank) % u.numel for u, k in zip(units, ks)
-        ]
-        return _block_positions(units, ks, starts, device)
+        return _block_positions(units, ks, seed, step, rank, device)
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
     if all(k == u.numel for u, k in zip(units, ks)):  # density 1: everything, in order
@@ -131,8 +146,7 @@ def select(
     offsets, sizes = [u.offset for u in units], [u.numel for u in units]
     if method == "topk":
         return topk_units(values, offsets, sizes, ks)
-    seeds = [derive_seed(seed, step, u.key, rank) for u in units]
-    return random_subsets(offsets, sizes, ks, seeds, device)
+    return random_subsets(offsets, sizes, ks, [u.key for u in units], seed, step, rank, device)
 
 
 def _ascending(units: Sequence[Unit]) -> bool:

@@ -31,7 +31,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from functools import lru_cache
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -59,6 +60,11 @@ def _threshold(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     return sample.kthvalue(max(1, sample.numel() - above + 1)).values
 
 
+@lru_cache(maxsize=256)
+def _unit_tensors(offsets: Tuple[int, ...], ks: Tuple[int, ...], device: torch.device):
+    return torch.tensor(offsets, device=device), torch.tensor(ks, device=device)
+
+
 def topk_units(values: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int],
                ks: Sequence[int]) -> torch.Tensor:
     """Absolute positions of the ``ks[u]`` largest ``|values|`` in each unit, unit by unit.
@@ -83,8 +89,7 @@ def topk_units(values: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int
             piece = magnitude[o:o + n]
             torch.ge(piece, _threshold(piece, k), out=mask[o:o + n])
     candidates = true_positions(mask)
-    offsets_t = torch.tensor(offsets, device=device)
-    ks_t = torch.tensor(ks, device=device)
+    offsets_t, ks_t = _unit_tensors(tuple(offsets), tuple(ks), device)
     unit = torch.searchsorted(offsets_t, candidates, right=True) - 1
     found = torch.bincount(unit, minlength=len(ks))
     short = [u for u in torch.nonzero(found < ks_t).squeeze(1).tolist() if u not in direct]

@@ -43,15 +43,19 @@ def test_budget_rounds_up_without_float_noise():
     assert budget(5, 1.0) == 5
 
 
+@pytest.mark.parametrize("density", [0.03, 0.3])  # 0.3: the paths for budgets that are a large fraction
 @pytest.mark.parametrize("method", ["topk", "randomk", "random_block"])
-def test_selectors_keep_exactly_k_distinct_positions_inside_each_unit(method):
+def test_selectors_keep_exactly_k_distinct_positions_inside_each_unit(method, density):
     p = torch.randn(100_000 + 37)
     units = [Unit(0, 0, 37), Unit(1, 37, 100_000)]
-    idx = select(method, p, units, 0.03, seed=1, step=4)
-    assert idx.numel() == budget(37, 0.03) + budget(100_000, 0.03)
+    idx = select(method, p, units, density, seed=1, step=4)
+    assert idx.numel() == budget(37, density) + budget(100_000, density)
     assert idx.unique().numel() == idx.numel()
-    first = idx[: budget(37, 0.03)]
-    assert torch.all(first < 37) and torch.all(idx[budget(37, 0.03):] >= 37)
+    first = idx[: budget(37, density)]
+    assert torch.all(first < 37) and torch.all(idx[budget(37, density):] >= 37)
+    if method == "topk":
+        assert torch.equal(idx[budget(37, density):].sort().values,
+                           torch.topk(p[37:].abs(), budget(100_000, density)).indices.sort().values + 37)
 
 
 def test_topk_keeps_the_largest_magnitudes():
@@ -68,6 +72,17 @@ def test_random_block_wraps_around_the_end_of_the_unit():
         assert idx.tolist() == [(start + j) % n for j in range(k)]
         wrapped |= start > n - k
     assert wrapped
+
+
+@pytest.mark.parametrize("rank", [SHARED, 3])
+def test_blocks_of_many_units_equal_the_blocks_of_each_unit_alone(rank):
+    # several units: starts derived on the device; one unit: on the host. Both must agree.
+    units = [Unit(7, 0, 1), Unit(2, 1, 50), Unit(9, 51, 1000), Unit(4, 1051, 1)]
+    together = select("random_block", torch.zeros(1052), units, 0.05, seed=11, step=6, rank=rank)
+    alone = torch.cat([select("random_block", torch.zeros(1052), [u], 0.05, seed=11, step=6, rank=rank)
+                       for u in units])
+    assert torch.equal(together, alone)
+    assert together[0].item() == 0 and together[-1].item() == 1051  # one-entry units are sent whole
 
 
 @pytest.mark.parametrize("method", ["randomk", "random_block"])
@@ -92,7 +107,8 @@ def test_random_choice_is_a_function_of_seed_step_unit_and_rank():
 def test_large_random_subsets_are_uniform_and_distinct():
     from ddp_hooks.randomk_selection import random_subsets
 
-    idx = random_subsets([0, 10_000_000], [10_000_000, 500_000], [100_000, 5_000], [1, 2], torch.device("cpu"))
+    idx = random_subsets([0, 10_000_000], [10_000_000, 500_000], [100_000, 5_000], [1, 2], 0, 0, SHARED,
+                         torch.device("cpu"))
     first, second = idx[:100_000], idx[100_000:]
     assert first.unique().numel() == 100_000 and second.unique().numel() == 5_000
     assert first.max() < 10_000_000 <= second.min() and second.max() < 10_500_000
@@ -104,10 +120,10 @@ def test_large_random_subsets_are_uniform_and_distinct():
 def test_random_subsets_cover_all_positions_alike_across_steps():
     from ddp_hooks.randomk_selection import random_subsets
 
-    # a drawn unit (n > 4096, 4k < n) and an enumerated one, over many seeds
+    # a large unit and a small one, over many steps
     n_big, n_small, counts_big, counts_small = 8192, 40, torch.zeros(8192), torch.zeros(40)
-    for seed in range(300):
-        idx = random_subsets([0, n_big], [n_big, n_small], [400, 4], [seed, seed + 10**6], torch.device("cpu"))
+    for step in range(300):
+        idx = random_subsets([0, n_big], [n_big, n_small], [400, 4], [0, 1], 5, step, SHARED, torch.device("cpu"))
         counts_big += torch.bincount(idx[:400], minlength=n_big)
         counts_small += torch.bincount(idx[400:] - n_big, minlength=n_small)
     assert counts_big.sum() == 300 * 400 and counts_small.sum() == 300 * 4
