@@ -18,6 +18,12 @@ Raw results go to a JSON-lines file, the tables to a markdown file.
 Each host process uses one CPU thread and a fixed synthetic batch (timing
 only). The processes stay up for all methods of a host count; the controller
 reshapes the network between windows when the ranks ask for it.
+
+The batch is small on purpose (4 CIFAR-sized images per host by default):
+the hosts share this machine's cores and compute far slower than a GPU, so a
+GPU-sized batch would make every configuration compute-bound, which is not
+the regime the methods are for. ``--batch`` moves the balance; the ratio of
+compute to communication decides where compression pays.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -39,7 +45,8 @@ sys.path.insert(0, os.path.join(REPO, "recipes"))
 
 from cluster import Cluster, ClusterError, IFNAME, check_prerequisites, exit_on_signals, parse_rate  # noqa: E402
 from cluster_control import ack_path, pending_request, write_atomic  # noqa: E402
-from cluster_plan import BANDWIDTHS, Run, full_plan, quick_plan  # noqa: E402
+from cluster_plan import (ADAALTER, BANDWIDTHS, FP16, POWERSGD, SYNC_ADAGRAD, Method, Run,  # noqa: E402
+                          full_plan, quick_plan, sparsifier)
 from run_metrics import format_bytes  # noqa: E402
 
 PORT = 29500  # inside host 0's namespace: nothing else listens there
@@ -54,10 +61,10 @@ def _tail(path: str, lines: int = 30) -> str:
 
 
 class _Progress:
-    """Prints the records the ranks append to the results file, as they come."""
+    """Prints the records the ranks append to the results file from now on, as they come."""
 
     def __init__(self, path: str):
-        self.path, self.offset = path, 0
+        self.path, self.offset = path, os.path.getsize(path)
 
     def poll(self) -> None:
         with open(self.path) as f:
@@ -133,9 +140,12 @@ def _options(r: dict) -> str:
     return f"{r['density']:g}, {r['scope']}, {r['aggregation']}" if r["hook"] == "sparsify" else ""
 
 
-def read_records(path: str) -> List[dict]:
+def read_results(path: str) -> Tuple[List[dict], Optional[dict]]:
+    """The result records of a results file, and its closing ``{"run": {...}}`` line (None if it has none)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
+    run = next((line["run"] for line in lines if "run" in line), None)
+    return [line for line in lines if "run" not in line], run
 
 
 def _bandwidth_key(bandwidth: str) -> float:
@@ -152,8 +162,10 @@ def group_records(records: Sequence[dict]) -> "OrderedDict[tuple, List[dict]]":
     return groups
 
 
-def baseline(rows: Sequence[dict]) -> Optional[dict]:
-    return next((r for r in rows if r["hook"] == "allreduce" and r["optimizer"] == "sgd"), None)
+def baseline(rows: Sequence[dict]) -> Optional[float]:
+    """Seconds per step of the allreduce hook: the mean of its rows (the full plan measures it first and last)."""
+    times = [r["s_per_step"] for r in rows if r["hook"] == "allreduce" and r["optimizer"] == "sgd"]
+    return sum(times) / len(times) if times else None
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -163,7 +175,7 @@ def format_table(rows: Sequence[dict]) -> str:
               "wire/step/host", "forward s", "backward s", "exchange s", "compression s", "optimizer s")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        speedup = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base else "n/a"
+        speedup = f"{base / r['s_per_step']:.2f}x" if base else "n/a"
         cells = (r["label"], _options(r), f"{r['s_per_step']:.3f}", speedup, format_bytes(r["payload_bytes_per_step"]),
                  format_bytes(r["wire_bytes_per_step"]), *(f"{r[f'{p}_s']:.3f}" for p in
                                                            ("forward", "backward", "exchange", "compression",
@@ -172,8 +184,55 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_report(records: Sequence[dict], header: str) -> str:
-    parts = [header]
+# (column, method) of the summary: PyTorch's hooks, each sparsifier at 0.01 with its default scope, Local AdaAlter
+SUMMARY = (("fp16", FP16), ("PowerSGD r1", POWERSGD[1]), ("PowerSGD r4", POWERSGD[4]),
+           ("top-k 0.01", sparsifier("topk", 0.01, "layer", "allgather")),
+           ("random-k 0.01", sparsifier("randomk", 0.01, "layer", "allreduce")),
+           ("random-block 0.01", sparsifier("random_block", 0.01, "layer", "allreduce")),
+           ("sync AdaGrad", SYNC_ADAGRAD), ("AdaAlter H=4", ADAALTER[4]), ("AdaAlter H=8", ADAALTER[8]))
+
+
+def _is(record: dict, method: Method) -> bool:
+    return all(record.get(k) == v for k, v in method.as_dict().items())
+
+
+def format_summary(records: Sequence[dict]) -> str:
+    """One line per (model, hosts, bandwidth): the allreduce hook's s/step (mean; each of its measurements in
+    brackets) and the speed-ups of the others over that mean."""
+    header = ("model", "hosts", "bandwidth", "allreduce s/step") + tuple(c for c, _ in SUMMARY) + (
+        "fastest sparsifier",)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (model, hosts, bandwidth), rows in group_records(records).items():
+        base = baseline(rows)
+        if base is None:
+            continue
+        runs = [r["s_per_step"] for r in rows if r["hook"] == "allreduce" and r["optimizer"] == "sgd"]
+        cells = [model, str(hosts), bandwidth, f"{base:.3f}" + (
+            f" ({', '.join(f'{t:.2f}' for t in runs)})" if len(runs) > 1 else "")]
+        for _, method in SUMMARY:
+            row = next((r for r in rows if _is(r, method)), None)
+            cells.append(f"{base / row['s_per_step']:.2f}x" if row else "")
+        sparse = [r for r in rows if r["hook"] == "sparsify"]
+        best = min(sparse, key=lambda r: r["s_per_step"]) if sparse else None
+        cells.append(f"{base / best['s_per_step']:.2f}x {_method_name(best)}" if best else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_header(run: Optional[dict], records: Sequence[dict]) -> str:
+    if run is None:
+        return f"{len(records)} results of an unfinished run (no closing line)."
+    return (f"Command: `{run['command']}`; {len(records)} results in {run['wall_s']:.0f} s; batch {run['batch']} "
+            f"images of {run['image_size']}x{run['image_size']} per host, 1 thread per host; timed windows of at "
+            f"least {run['steps']} steps and {run['min_window_s']:g} s (Local AdaAlter: whole periods); CPU gloo.")
+
+
+def format_report(records: Sequence[dict], run: Optional[dict]) -> str:
+    parts = [format_header(run, records), "", "### Speed-up over the allreduce hook", "", format_summary(records),
+             "", "Columns: the allreduce hook's seconds per step (the mean of its first and last measurement in the "
+             "run, each in brackets; their gap shows how much the machine's speed drifted), then each method's "
+             "speed-up over that mean in the same cluster; sparsifiers with scope layer (top-k: allgather, the "
+             "others: allreduce)."]
     for (model, hosts, bandwidth), rows in group_records(records).items():
         r0 = rows[0]
         parts.append(f"\n### {model} ({r0['params'] / 1e6:.2f} M parameters), {hosts} hosts, {bandwidth}\n")
@@ -198,7 +257,7 @@ def format_targets(records: Sequence[dict]) -> str:
             if r["method"] != "random_block" or r["density"] != 0.01:
                 continue
             found = True
-            speedup = base["s_per_step"] / r["s_per_step"]
+            speedup = base / r["s_per_step"]
             line = (f"- {bandwidth}: {_method_name(r)}: {speedup:.2f}x faster than the allreduce hook "
                     f"(target {factor:.2f}x: {'met' if speedup >= factor else 'MISSED'})")
             if psgd is not None:
@@ -236,13 +295,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "(default: 3)")
     p.add_argument("--min-window", type=float, default=0.5,
                    help="seconds a timed window lasts at least; fast steps get more of them (default: 0.5)")
-    p.add_argument("--batch", type=int, default=8, help="images per host and step (default: 8)")
+    p.add_argument("--batch", type=int, default=4, help="images per host and step (default: 4)")
     p.add_argument("--image-size", type=int, default=32, help="side of the synthetic images (default: 32)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds a collective or a bandwidth change may take before the run fails (default: 300)")
     p.add_argument("--out", default=None,
                    help="JSON-lines results; the tables go beside it as .md (default: "
                         "bench/results/cluster[-quick].jsonl)")
+    p.add_argument("--report", metavar="RESULTS", default=None,
+                   help="print the tables of an earlier results file and exit (needs no root)")
     args = p.parse_args(argv)
     chosen = [name for name in ("hosts", "models", "bandwidths") if getattr(args, name) is not None]
     if args.quick and chosen:
@@ -268,6 +329,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(args) -> None:
+    if args.report is not None:
+        print(format_report(*read_results(args.report)))
+        return
     try:
         check_prerequisites()
     except ClusterError as exc:
@@ -287,11 +351,11 @@ def main(args) -> None:
               file=sys.stderr)
         raise
     wall = time.perf_counter() - start
-    records = read_records(args.out)
-    header = (f"Command: `{' '.join(['python'] + sys.argv)}`; {len(records)} results in {wall:.0f} s; batch "
-              f"{args.batch} images of {args.image_size}x{args.image_size} per host, 1 thread per host; timed windows "
-              f"of at least {args.steps} steps and {args.min_window:g} s (Local AdaAlter: whole periods); CPU gloo.")
-    report = format_report(records, header)
+    run = {"command": " ".join(["python"] + sys.argv), "wall_s": wall, "batch": args.batch,
+           "image_size": args.image_size, "steps": args.steps, "min_window_s": args.min_window}
+    with open(args.out, "a") as f:
+        f.write(json.dumps({"run": run}) + "\n")
+    report = format_report(*read_results(args.out))
     md = os.path.splitext(args.out)[0] + ".md"
     with open(md, "w") as f:
         f.write(report)

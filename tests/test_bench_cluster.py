@@ -248,7 +248,8 @@ def test_plan_has_every_configuration_of_the_issue():
         ("PowerSGD rank 1", 1), ("PowerSGD rank 4", 4)}
     assert [m.period for m in methods if m.optimizer == "local_adaalter"] == [4, 8]
     assert [m.group_per_bucket for m in methods].count(True) == 2
-    assert len(set(methods)) == len(methods) == 37
+    assert len(set(methods)) == len(methods) == 38
+    assert methods[0].hook == methods[-1].hook == "allreduce" and methods[-1].label == "allreduce hook, again"
     quick = cluster_plan.quick_plan()
     assert {(r.hosts, r.model) for r in quick} == {(2, "resnet20"), (4, "resnet20"), (4, "resnet18")}
     assert all(tuple(r.bandwidths) == ("1gbit", "100mbit") for r in quick)
@@ -299,12 +300,35 @@ def test_tables_compare_with_the_allreduce_row_of_the_same_cluster():
     table = bench_cluster.format_table(groups[("resnet18", 4, "100mbit")])
     assert "| random-block | 0.01, layer, allreduce | 1.000 | 6.00x |" in table
     assert "| sync AdaGrad |  | 3.000 | 2.00x |" in table  # against the allreduce hook, not itself
+    again = _record("allreduce hook, again", "allreduce", 4.0)
+    assert bench_cluster.baseline(groups[("resnet18", 4, "100mbit")] + [again]) == 5.0  # the mean of both
     targets = bench_cluster.format_targets(records)
     assert "100mbit: random-block d=0.01 layer allreduce: 6.00x faster than the allreduce hook (target 5.00x: met)" \
         in targets
     assert "vs PowerSGD rank 4: 1.50x its speed (met)" in targets
     assert "1gbit: random-block d=0.01 layer allreduce: 1.30x faster than the allreduce hook (target 1.37x: MISSED)" \
         in targets
+
+
+def test_summary_and_report_from_a_results_file(tmp_path, capsys):
+    import json
+
+    block = dict(method="random_block", density=0.01, scope="layer", aggregation="allreduce")
+    topk = dict(method="topk", density=0.1, scope="global", aggregation="allgather")
+    records = [_record("allreduce hook", "allreduce", 3.0), _record("random-block", "sparsify", 2.0, **block),
+               _record("top-k", "sparsify", 1.0, **topk), _record("allreduce hook, again", "allreduce", 5.0)]
+    summary = bench_cluster.format_summary(records)
+    assert summary.splitlines()[2] == ("| resnet18 | 4 | 100mbit | 4.000 (3.00, 5.00) |  |  |  |  |  | 2.00x |  |  |  "
+                                       "| 4.00x top-k d=0.1 global allgather |")
+    path = tmp_path / "r.jsonl"
+    run = {"command": "python bench/bench_cluster.py", "wall_s": 12.0, "batch": 4, "image_size": 32, "steps": 3,
+           "min_window_s": 0.5}
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + json.dumps({"run": run}) + "\n")
+    assert bench_cluster.read_results(str(path)) == (records, run)
+    bench_cluster.main(bench_cluster.parse_args(["--report", str(path)]))  # no root needed
+    out = capsys.readouterr().out
+    assert out.startswith("Command: `python bench/bench_cluster.py`; 4 results in 12 s; batch 4 images of 32x32")
+    assert summary in out and "### resnet18 (11.17 M parameters), 4 hosts, 100mbit" in out
 
 
 def test_combine_averages_ranks_per_step():
