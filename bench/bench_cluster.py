@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -46,7 +47,7 @@ sys.path.insert(0, os.path.join(REPO, "recipes"))
 from cluster import Cluster, ClusterError, IFNAME, check_prerequisites, exit_on_signals, parse_rate  # noqa: E402
 from cluster_control import ack_path, pending_request, write_atomic  # noqa: E402
 from cluster_plan import (ADAALTER, BANDWIDTHS, FP16, POWERSGD, SYNC_ADAGRAD, Method, Run,  # noqa: E402
-                          full_plan, quick_plan, sparsifier)
+                          full_plan, headline_plan, quick_plan, repeat, sparsifier)
 from run_metrics import format_bytes  # noqa: E402
 
 PORT = 29500  # inside host 0's namespace: nothing else listens there
@@ -81,8 +82,8 @@ class _Progress:
 def run_host_count(cluster: Cluster, hosts: int, runs: List[Run], args, port: int) -> None:
     """Start one worker per host for ``runs`` and answer their bandwidth requests until they finish."""
     folder = tempfile.mkdtemp(prefix="ddphb-ctl-")
-    plan = {"runs": [{"model": r.model, "bandwidths": list(r.bandwidths), "methods": [m.as_dict() for m in r.methods]}
-                     for r in runs],
+    plan = {"runs": [{"model": r.model, "bandwidths": list(r.bandwidths), "round": r.round,
+                      "methods": [m.as_dict() for m in r.methods]} for r in runs],
             "steps": args.steps, "min_window_s": args.min_window, "batch": args.batch, "image_size": args.image_size,
             "timeout": args.timeout, "out": os.path.abspath(args.out)}
     write_atomic(os.path.join(folder, "plan.json"), json.dumps(plan))
@@ -148,6 +149,28 @@ def read_results(path: str) -> Tuple[List[dict], Optional[dict]]:
     return [line for line in lines if "run" not in line], run
 
 
+_MEDIAN_FIELDS = ("s_per_step", "s_per_step_max_rank", "payload_bytes_per_step", "wire_bytes_per_step",
+                  "dense_bytes_per_step", "forward_s", "backward_s", "exchange_s", "compression_s", "optimizer_s")
+_METHOD_FIELDS = tuple(Method.__dataclass_fields__)
+
+
+def merge_rounds(records: Sequence[dict]) -> List[dict]:
+    """One record per (model, hosts, bandwidth, method): the median of each measured field over the rounds,
+    with ``rounds`` and ``s_per_step_rounds`` (every round's s/step) added."""
+    groups: "OrderedDict[tuple, List[dict]]" = OrderedDict()
+    for r in records:
+        key = (r["model"], r["hosts"], r["bandwidth"]) + tuple(r.get(f) for f in _METHOD_FIELDS)
+        groups.setdefault(key, []).append(r)
+    merged = []
+    for rows in groups.values():
+        out = dict(rows[0])
+        for name in _MEDIAN_FIELDS:
+            out[name] = statistics.median(r[name] for r in rows)
+        out["rounds"], out["s_per_step_rounds"] = len(rows), [r["s_per_step"] for r in rows]
+        merged.append(out)
+    return merged
+
+
 def _bandwidth_key(bandwidth: str) -> float:
     bits = parse_rate(bandwidth)
     return float("inf") if bits is None else bits
@@ -176,7 +199,10 @@ def format_table(rows: Sequence[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         speedup = f"{base / r['s_per_step']:.2f}x" if base else "n/a"
-        cells = (r["label"], _options(r), f"{r['s_per_step']:.3f}", speedup, format_bytes(r["payload_bytes_per_step"]),
+        seconds = f"{r['s_per_step']:.3f}"
+        if r.get("rounds", 1) > 1:
+            seconds += f" ({min(r['s_per_step_rounds']):.2f}-{max(r['s_per_step_rounds']):.2f})"
+        cells = (r["label"], _options(r), seconds, speedup, format_bytes(r["payload_bytes_per_step"]),
                  format_bytes(r["wire_bytes_per_step"]), *(f"{r[f'{p}_s']:.3f}" for p in
                                                            ("forward", "backward", "exchange", "compression",
                                                             "optimizer")))
@@ -222,13 +248,18 @@ def format_summary(records: Sequence[dict]) -> str:
 def format_header(run: Optional[dict], records: Sequence[dict]) -> str:
     if run is None:
         return f"{len(records)} results of an unfinished run (no closing line)."
+    rounds = run.get("rounds", 1)
     return (f"Command: `{run['command']}`; {len(records)} results in {run['wall_s']:.0f} s; batch {run['batch']} "
             f"images of {run['image_size']}x{run['image_size']} per host, 1 thread per host; timed windows of at "
-            f"least {run['steps']} steps and {run['min_window_s']:g} s (Local AdaAlter: whole periods); CPU gloo.")
+            f"least {run['steps']} steps and {run['min_window_s']:g} s (Local AdaAlter: whole periods); CPU gloo."
+            + (f" {rounds} rounds: every figure is the median over the rounds; s/step shows their range in "
+               "brackets." if rounds > 1 else ""))
 
 
 def format_report(records: Sequence[dict], run: Optional[dict]) -> str:
-    parts = [format_header(run, records), "", "### Speed-up over the allreduce hook", "", format_summary(records),
+    header = format_header(run, records)
+    records = merge_rounds(records)
+    parts = [header, "", "### Speed-up over the allreduce hook", "", format_summary(records),
              "", "Columns: the allreduce hook's seconds per step (the mean of its first and last measurement in the "
              "run, each in brackets; their gap shows how much the machine's speed drifted), then each method's "
              "speed-up over that mean in the same cluster; sparsifiers with scope layer (top-k: allgather, the "
@@ -273,7 +304,14 @@ def format_targets(records: Sequence[dict]) -> str:
 
 # ----- command line -----
 def build_plan(args) -> Dict[int, List[Run]]:
-    runs = quick_plan() if args.quick else full_plan(args.hosts, args.models, args.bandwidths)
+    """The runs to measure, by host count (one launch of the hosts' processes each)."""
+    if args.quick:
+        runs = quick_plan()
+    elif args.headline:
+        runs = headline_plan()
+    else:
+        runs = full_plan(args.hosts, args.models, args.bandwidths)
+    runs = repeat(runs, args.rounds)
     plan: Dict[int, List[Run]] = {}
     for run in runs:
         plan.setdefault(run.hosts, []).append(run)
@@ -285,6 +323,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="a subset under 3 minutes: resnet20 on 2 and 4 hosts with one method of each kind, the "
                         "target rows of resnet18 on 4 hosts; 1gbit and 100mbit (default: every configuration)")
+    p.add_argument("--headline", action="store_true",
+                   help="only the rows of the targets: resnet18 on 4 hosts, the allreduce hook, random-block at "
+                        "0.01 and PowerSGD rank 4 at 1gbit and 100mbit (best with --rounds)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the whole plan this many times; tables show the median over rounds (default: 1)")
     p.add_argument("--hosts", type=int, nargs="+", default=None, help="host counts (default: 2 4)")
     p.add_argument("--models", nargs="+", default=None, choices=("resnet20", "resnet18"),
                    help="models (default: resnet20 resnet18)")
@@ -306,12 +349,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="print the tables of an earlier results file and exit (needs no root)")
     args = p.parse_args(argv)
     chosen = [name for name in ("hosts", "models", "bandwidths") if getattr(args, name) is not None]
-    if args.quick and chosen:
-        p.error(f"--quick has its own plan; it does not take --{', --'.join(chosen)}")
+    if args.quick and args.headline:
+        p.error("choose one of --quick and --headline")
+    for name in ("quick", "headline"):
+        if getattr(args, name) and chosen:
+            p.error(f"--{name} has its own plan; it does not take --{', --'.join(chosen)}")
     args.hosts = args.hosts or [2, 4]
     args.models = args.models or ["resnet20", "resnet18"]
     args.bandwidths = args.bandwidths or list(BANDWIDTHS)
-    for name, low in (("steps", 1), ("batch", 1), ("image_size", 8), ("min_window", 0), ("timeout", 1)):
+    for name, low in (("steps", 1), ("batch", 1), ("image_size", 8), ("min_window", 0), ("timeout", 1),
+                      ("rounds", 1)):
         if getattr(args, name) < low:
             p.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if any(h < 2 or h > 16 for h in args.hosts):
@@ -324,7 +371,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     # slowest last: the untimed steps of each method run unshaped, then the rates go down
     args.bandwidths = sorted(set(args.bandwidths), key=_bandwidth_key, reverse=True)
     if args.out is None:
-        args.out = os.path.join(REPO, "bench", "results", "cluster-quick.jsonl" if args.quick else "cluster.jsonl")
+        name = "cluster-quick" if args.quick else "cluster-headline" if args.headline else "cluster"
+        args.out = os.path.join(REPO, "bench", "results", name + ".jsonl")
     return args
 
 
@@ -352,7 +400,7 @@ def main(args) -> None:
         raise
     wall = time.perf_counter() - start
     run = {"command": " ".join(["python"] + sys.argv), "wall_s": wall, "batch": args.batch,
-           "image_size": args.image_size, "steps": args.steps, "min_window_s": args.min_window}
+           "image_size": args.image_size, "steps": args.steps, "min_window_s": args.min_window, "rounds": args.rounds}
     with open(args.out, "a") as f:
         f.write(json.dumps({"run": run}) + "\n")
     report = format_report(*read_results(args.out))

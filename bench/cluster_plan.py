@@ -18,10 +18,11 @@ synchronous warm-up. A timed window is at least ``steps`` steps and about
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional, Sequence
 
-__all__ = ["Method", "Run", "sparsifier", "all_methods", "headline_methods", "full_plan", "quick_plan", "BANDWIDTHS"]
+__all__ = ["Method", "Run", "sparsifier", "all_methods", "headline_methods", "full_plan", "headline_plan",
+           "quick_plan", "repeat", "BANDWIDTHS"]
 
 BANDWIDTHS = ("unshaped", "1gbit", "100mbit")  # the order of measurement: warm-up runs unshaped
 LR = 1e-3  # timing only; small, so that no run drifts into inf/NaN arithmetic
@@ -82,12 +83,13 @@ class Method:
 
 @dataclass(frozen=True)
 class Run:
-    """One model on ``hosts`` hosts, each method measured at each bandwidth."""
+    """One model on ``hosts`` hosts, each method measured at each bandwidth (in round ``round``)."""
 
     hosts: int
     model: str
     methods: List[Method] = field(default_factory=list)
     bandwidths: Sequence[str] = BANDWIDTHS
+    round: int = 0  # which repetition of the plan (--rounds)
 
 
 def sparsifier(method: str, density: float, scope: str, aggregation: str) -> Method:
@@ -128,6 +130,21 @@ def full_plan(hosts: Sequence[int] = (2, 4), models: Sequence[str] = ("resnet20"
     return [Run(h, m, all_methods(), tuple(bandwidths)) for h in hosts for m in models]
 
 
+def headline_plan() -> List[Run]:
+    """The rows of the targets only: ResNet-18 on 4 hosts, at 1 Gbit/s and 100 Mbit/s."""
+    return [Run(4, "resnet18", headline_methods(), ("1gbit", "100mbit"))]
+
+
+def repeat(runs: Sequence[Run], rounds: int) -> List[Run]:
+    """The plan ``rounds`` times over, each copy numbered: round 0 of every run first, then round 1, ...
+
+    Repeating the whole plan, rather than each measurement in place, spreads
+    a method's measurements over the run, so a slow spell of the machine hits
+    one of them, not all.
+    """
+    return [replace(run, round=k) for k in range(rounds) for run in runs]
+
+
 def quick_plan() -> List[Run]:
     """Under 3 minutes: the small model with one of each kind on 2 and 4 hosts, ResNet-18's headline rows
     on 4 hosts; 1 Gbit/s and 100 Mbit/s only."""
@@ -135,5 +152,4 @@ def quick_plan() -> List[Run]:
              sparsifier("randomk", 0.01, "layer", "allreduce"), sparsifier("random_block", 0.01, "layer", "allreduce"),
              SYNC_ADAGRAD, ADAALTER[4]]
     shaped = ("1gbit", "100mbit")
-    return [Run(2, "resnet20", small, shaped), Run(4, "resnet20", small, shaped),
-            Run(4, "resnet18", headline_methods(), shaped)]
+    return [Run(2, "resnet20", small, shaped), Run(4, "resnet20", small, shaped)] + headline_plan()

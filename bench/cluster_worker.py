@@ -220,7 +220,8 @@ def run_plan(control_dir: str) -> None:
                 gathered: List[dict] = [None] * world  # type: ignore[list-item]
                 dist.all_gather_object(gathered, mine)
                 if rank == 0:
-                    record = {"model": run["model"], "hosts": world, "bandwidth": bandwidth, **method.as_dict(),
+                    record = {"model": run["model"], "hosts": world, "bandwidth": bandwidth, "round": run["round"],
+                              **method.as_dict(),
                               "params": sum(p.numel() for p in bench.ddp.parameters()), "batch": plan["batch"],
                               "image_size": plan["image_size"], **combine(gathered)}
                     with open(plan["out"], "a") as f:

@@ -267,10 +267,20 @@ def test_every_method_builds_with_the_recipe():
         assert exchange.kind == method.hook
 
 
+def test_plans_by_host_count():
+    plan = bench_cluster.build_plan(bench_cluster.parse_args(["--headline", "--rounds", "2"]))
+    assert list(plan) == [4] and [(r.model, r.round) for r in plan[4]] == [("resnet18", 0), ("resnet18", 1)]
+    plan = bench_cluster.build_plan(bench_cluster.parse_args(["--quick"]))
+    assert {h: [r.model for r in runs] for h, runs in plan.items()} == {2: ["resnet20"], 4: ["resnet20", "resnet18"]}
+    plan = bench_cluster.build_plan(bench_cluster.parse_args(["--hosts", "3", "--models", "resnet18"]))
+    assert list(plan) == [3] and len(plan[3][0].methods) == 38
+
+
 def test_bandwidths_are_measured_fastest_first():
     args = bench_cluster.parse_args(["--bandwidths", "100mbit", "unshaped", "1gbit"])
     assert args.bandwidths == ["unshaped", "1gbit", "100mbit"]
-    for argv in (["--bandwidths", "fast"], ["--quick", "--hosts", "4"], ["--hosts", "1"]):
+    for argv in (["--bandwidths", "fast"], ["--quick", "--hosts", "4"], ["--hosts", "1"], ["--quick", "--headline"],
+                 ["--headline", "--models", "resnet18"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             bench_cluster.parse_args(argv)
 
@@ -279,8 +289,8 @@ def test_bandwidths_are_measured_fastest_first():
 def _record(label, hook, s, bandwidth="100mbit", optimizer="sgd", **kw):
     r = {"model": "resnet18", "hosts": 4, "bandwidth": bandwidth, "label": label, "hook": hook,
          "optimizer": optimizer, "method": None, "density": None, "scope": None, "aggregation": None,
-         "powersgd_rank": None, "params": 11_173_962, "s_per_step": s, "payload_bytes_per_step": 1000.0,
-         "wire_bytes_per_step": 1500.0, "forward_s": 0.1, "backward_s": 0.2, "exchange_s": 0.3,
+         "powersgd_rank": None, "period": None, "params": 11_173_962, "s_per_step": s, "s_per_step_max_rank": s, "payload_bytes_per_step": 1000.0,
+         "wire_bytes_per_step": 1500.0, "dense_bytes_per_step": 4000.0, "forward_s": 0.1, "backward_s": 0.2, "exchange_s": 0.3,
          "compression_s": 0.01, "optimizer_s": 0.02}
     r.update(kw)
     return r
@@ -329,6 +339,17 @@ def test_summary_and_report_from_a_results_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("Command: `python bench/bench_cluster.py`; 4 results in 12 s; batch 4 images of 32x32")
     assert summary in out and "### resnet18 (11.17 M parameters), 4 hosts, 100mbit" in out
+
+
+def test_rounds_repeat_the_plan_and_merge_to_medians():
+    runs = cluster_plan.repeat(cluster_plan.headline_plan() + cluster_plan.quick_plan()[:1], 3)
+    assert [(r.round, r.model) for r in runs][:3] == [(0, "resnet18"), (0, "resnet20"), (1, "resnet18")]
+    rows = [_record("allreduce hook", "allreduce", s, round=k) for k, s in enumerate((3.0, 9.0, 4.0))]
+    rows.append(_record("allreduce hook", "allreduce", 1.0, bandwidth="1gbit"))
+    merged = bench_cluster.merge_rounds(rows)
+    assert [(m["bandwidth"], m["s_per_step"], m["rounds"]) for m in merged] == [("100mbit", 4.0, 3), ("1gbit", 1.0, 1)]
+    assert merged[0]["s_per_step_rounds"] == [3.0, 9.0, 4.0]
+    assert "| allreduce hook |  | 4.000 (3.00-9.00) | 1.00x |" in bench_cluster.format_table(merged[:1])
 
 
 def test_combine_averages_ranks_per_step():
@@ -428,3 +449,42 @@ def test_real_cluster():
         sleeper = c.popen(0, ["sleep", "60"])
     assert sleeper.poll() is not None  # stopped by the teardown
     assert ours() == []
+
+
+_OWNER = ("import sys, time\n"
+          "sys.path.insert(0, sys.argv[1])\n"
+          "import cluster\n"
+          "cluster.exit_on_signals()\n"
+          "c = cluster.Cluster(2).open()\n"
+          "sleeper = c.popen(0, ['sleep', '60'])\n"
+          "print(sleeper.pid, flush=True)\n"
+          "time.sleep(60)\n")
+
+
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and permission to create namespaces")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_real_cluster_owner_killed(sig):
+    """SIGTERM/SIGINT: the owner tears down (atexit); SIGKILL: its hosts die with it, remove_stale cleans up."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, os.path.join(ROOT, "bench")], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        sleeper = int(owner.stdout.readline())
+        names = [cluster.ns_name(owner.pid, 0), cluster.ns_name(owner.pid, 1)]
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert all(n in listed for n in names)
+        os.kill(owner.pid, sig)
+        owner.wait(30)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{sleeper}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{sleeper}")  # stopped by the teardown, or by PR_SET_PDEATHSIG
+    if sig == signal.SIGKILL:
+        assert sorted(n for n in cluster.remove_stale() if cluster.owner_pid(n) == owner.pid) == sorted(
+            names + [cluster.bridge_name(owner.pid), cluster.veth_name(owner.pid, 0), cluster.veth_name(owner.pid, 1)])
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left += subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert f"ddphb-{owner.pid}-" not in left and f"ddh{owner.pid}" not in left
