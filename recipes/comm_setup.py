@@ -60,11 +60,18 @@ class Exchange:
         self._sent_counter = sent_counter
         self._bucket_bytes = bucket_bytes
         self.hook_seconds = 0.0
+        self.last_call_end = 0.0  # perf_counter() when the latest hook call returned (the cluster bench reads it)
         self.bytes_dense = 0
         self._bytes_counted = 0  # bytes the recipe counted itself (PyTorch's hooks)
         self._registered = False
 
     # ----- the hook -----
+    def wrap_hook(self, wrapper: Callable[[Callable], Callable]) -> None:
+        """Replace the hook by ``wrapper(hook)`` (before :meth:`register`); timing and counting stay outside it."""
+        if self._registered:
+            raise RuntimeError("wrap the hook before Exchange.register()")
+        self._hook = wrapper(self._hook)
+
     def register(self, ddp_model) -> None:
         """Register the timed hook; DDP allows this once per model, so load state first."""
         if self._registered:
@@ -79,7 +86,8 @@ class Exchange:
             before = exchange._powersgd_numel()
             start = time.perf_counter()
             fut = inner(state, bucket)
-            exchange.hook_seconds += time.perf_counter() - start
+            exchange.last_call_end = time.perf_counter()
+            exchange.hook_seconds += exchange.last_call_end - start
             buffer = bucket.buffer()
             exchange.bytes_dense += buffer.numel() * buffer.element_size()
             if exchange._bucket_bytes is not None:

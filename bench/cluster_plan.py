@@ -1,0 +1,155 @@
+"""What the cluster benchmark measures: the methods, their options, and the full and quick plans.
+
+A :class:`Method` is one row of the results: a DDP comm hook and an optimizer,
+built by the CIFAR recipe's ``comm_setup`` (the same code, byte counters and
+hook timer the recipe uses). A :class:`Run` is one model on one number of
+hosts, measured at each bandwidth of its list.
+
+Untimed steps before the first timed window of a method (always on the
+unshaped network, see ``cluster_worker``): 2 for every method (DDP builds its
+buckets in the first step and rebuilds them at the second); PowerSGD one more,
+since it sends dense gradients for ``start_powerSGD_iter = 2`` steps and
+compresses from the third; Local AdaAlter runs those 2 steps as its
+synchronous warm-up. A timed window is at least ``steps`` steps and about
+``min_window_s`` seconds; for Local AdaAlter whole periods of ``H`` steps
+(``H - 1`` local steps and one that ends in the averaging).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, replace
+from typing import List, Optional, Sequence
+
+__all__ = ["Method", "Run", "sparsifier", "all_methods", "headline_methods", "full_plan", "headline_plan",
+           "quick_plan", "repeat", "BANDWIDTHS"]
+
+BANDWIDTHS = ("unshaped", "1gbit", "100mbit")  # the order of measurement: warm-up runs unshaped
+LR = 1e-3  # timing only; small, so that no run drifts into inf/NaN arithmetic
+
+
+@dataclass(frozen=True)
+class Method:
+    """One configuration: a hook (``comm_setup.HOOKS``) with its options, and an optimizer."""
+
+    label: str
+    hook: str
+    optimizer: str = "sgd"
+    method: Optional[str] = None  # sparsify: topk, randomk, random_block
+    density: Optional[float] = None
+    scope: Optional[str] = None
+    aggregation: Optional[str] = None
+    powersgd_rank: Optional[int] = None
+    period: Optional[int] = None  # local_adaalter: H
+
+    @property
+    def hook_warmup(self) -> int:
+        """The hook's own dense warm-up (``--warmup-steps`` of the recipe)."""
+        return {"powersgd": 2, "local_sgd": 2}.get(self.hook, 0)
+
+    @property
+    def untimed_steps(self) -> int:
+        return 3 if self.hook == "powersgd" else 2
+
+    @property
+    def group_per_bucket(self) -> bool:
+        """Whether each DDP bucket needs its own process group (``cluster_worker.PerBucketGroups``).
+
+        PyTorch's PowerSGD hook launches its second and third collectives from
+        future callbacks. On CUDA those run at once, in launch order; gloo
+        completes work on its own threads, so with several buckets the ranks
+        can launch them in different orders, and gloo matches collectives by
+        launch order: the run fails with "Received data size doesn't match
+        expected size". In a group of its own, each bucket's chain is ordered.
+        """
+        return self.hook == "powersgd"
+
+    @property
+    def step_multiple(self) -> int:
+        """Timed windows are whole multiples of this many steps: Local AdaAlter's period, else 1."""
+        return self.period if self.optimizer == "local_adaalter" else 1
+
+    def recipe_args(self) -> argparse.Namespace:
+        """The recipe's flags for ``comm_setup.build_exchange`` and ``build_optimizer``."""
+        return argparse.Namespace(
+            hook=self.hook, method=self.method, density=self.density, scope=self.scope,
+            aggregation=self.aggregation, no_error_feedback=False, warmup_steps=self.hook_warmup, hook_seed=0,
+            powersgd_rank=self.powersgd_rank, optimizer=self.optimizer, lr=LR, momentum=0.0, weight_decay=0.0,
+            eps={"adagrad": 1e-10, "local_adaalter": 1.0}.get(self.optimizer), period=self.period)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One model on ``hosts`` hosts, each method measured at each bandwidth (in round ``round``)."""
+
+    hosts: int
+    model: str
+    methods: List[Method] = field(default_factory=list)
+    bandwidths: Sequence[str] = BANDWIDTHS
+    round: int = 0  # which repetition of the plan (--rounds)
+
+
+def sparsifier(method: str, density: float, scope: str, aggregation: str) -> Method:
+    label = {"topk": "top-k", "randomk": "random-k", "random_block": "random-block"}[method]
+    return Method(label, "sparsify", method=method, density=density, scope=scope, aggregation=aggregation)
+
+
+ALLREDUCE = Method("allreduce hook", "allreduce")
+# the baseline measured once more at the end of a run: the gap shows how the machine's speed drifted meanwhile
+ALLREDUCE_AGAIN = Method("allreduce hook, again", "allreduce")
+FP16 = Method("fp16 hook", "fp16")
+POWERSGD = {r: Method(f"PowerSGD rank {r}", "powersgd", powersgd_rank=r) for r in (1, 4)}
+SYNC_ADAGRAD = Method("sync AdaGrad", "allreduce", optimizer="adagrad")
+ADAALTER = {h: Method(f"Local AdaAlter H={h}", "local_sgd", optimizer="local_adaalter", period=h) for h in (4, 8)}
+
+
+def all_methods() -> List[Method]:
+    """Every configuration of issue 6: PyTorch's hooks, our sparsifiers, Local AdaAlter and its baseline;
+    the allreduce hook first and again last."""
+    methods = [ALLREDUCE, FP16, POWERSGD[1], POWERSGD[4]]
+    for method in ("topk", "randomk", "random_block"):
+        for density in (0.01, 0.1):
+            for scope in ("layer", "bucket", "global"):
+                for aggregation in ("allreduce", "allgather"):
+                    if method == "topk" and aggregation == "allreduce":
+                        continue  # refused: each rank's top-k positions differ
+                    methods.append(sparsifier(method, density, scope, aggregation))
+    return methods + [SYNC_ADAGRAD, ADAALTER[4], ADAALTER[8], ALLREDUCE_AGAIN]
+
+
+def headline_methods() -> List[Method]:
+    """The rows of the targets: allreduce hook, random-block at 0.01 (the defaults), PowerSGD rank 4."""
+    return [ALLREDUCE, sparsifier("random_block", 0.01, "layer", "allreduce"), POWERSGD[4]]
+
+
+def full_plan(hosts: Sequence[int] = (2, 4), models: Sequence[str] = ("resnet20", "resnet18"),
+              bandwidths: Sequence[str] = BANDWIDTHS) -> List[Run]:
+    return [Run(h, m, all_methods(), tuple(bandwidths)) for h in hosts for m in models]
+
+
+def headline_plan() -> List[Run]:
+    """The rows of the targets only: ResNet-18 on 4 hosts, at 1 Gbit/s and 100 Mbit/s."""
+    return [Run(4, "resnet18", headline_methods(), ("1gbit", "100mbit"))]
+
+
+def repeat(runs: Sequence[Run], rounds: int) -> List[Run]:
+    """The plan ``rounds`` times over, each copy numbered: round 0 of every run first, then round 1, ...
+
+    Repeating the whole plan, rather than each measurement in place, spreads
+    a method's measurements over the run, so a slow spell of the machine hits
+    one of them, not all.
+    """
+    return [replace(run, round=k) for k in range(rounds) for run in runs]
+
+
+def quick_plan() -> List[Run]:
+    """Under 3 minutes: the small model with one of each kind on 2 and 4 hosts, ResNet-18's headline rows
+    on 4 hosts; 1 Gbit/s and 100 Mbit/s only."""
+    small = [ALLREDUCE, FP16, POWERSGD[1], sparsifier("topk", 0.01, "layer", "allgather"),
+             sparsifier("randomk", 0.01, "layer", "allreduce"), sparsifier("random_block", 0.01, "layer", "allreduce"),
+             SYNC_ADAGRAD, ADAALTER[4]]
+    shaped = ("1gbit", "100mbit")
+    return [Run(2, "resnet20", small, shaped), Run(4, "resnet20", small, shaped)] + headline_plan()

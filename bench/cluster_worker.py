@@ -1,0 +1,254 @@
+"""One host of the cluster benchmark: each method for a few steps at each bandwidth, timed per phase.
+
+``bench_cluster.py`` starts one of these per host, inside the host's network
+namespace, with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+``GLOO_SOCKET_IFNAME`` set, and the path of a control folder holding
+``plan.json``. For every run of the plan and every method it builds a fresh
+DDP model (same initialisation everywhere), the recipe's hook and optimizer
+(``recipes/comm_setup.py``), takes the method's untimed steps on the unshaped
+network, then for each bandwidth asks the controller to reshape the network
+and times one window of steps on a fixed synthetic batch (timing only).
+
+Bandwidth changes go through files in the control folder (``cluster_control``).
+
+Per step and rank (``time.perf_counter``, seconds; see ``PHASES``):
+
+* forward: the forward pass and the loss;
+* compression: host time inside the comm hook calls (``Exchange.hook_seconds``):
+  compensation, selection, residual update and packing for the sparsifiers
+  (for ``scope="global"`` all of it in the last bucket's call), the cast for
+  fp16, PowerSGD's first half (error feedback, ``P = M Q``), and launching
+  the collectives;
+* backward: from the start of ``backward()`` to the return of the last hook
+  call, minus compression: computing gradients, while the collectives of the
+  buckets handed over earlier run on gloo's threads (and compete for the CPU);
+* exchange: from the return of the last hook call to the return of
+  ``backward()``: the wait for the hooks' futures, with the work their
+  callbacks do when a collective completes (decompression; PowerSGD's second
+  half: orthogonalisation, ``Q = M^T P``, its second allreduce, ``P Q^T``),
+  and DDP copying the averaged buckets into ``.grad``; plus Local AdaAlter's
+  averaging collective inside ``optimizer.step()``;
+* optimizer: ``optimizer.step()`` without that averaging.
+
+A step's parts add up to its time up to ``zero_grad`` and the loop itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections import defaultdict
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
+sys.path.insert(0, HERE)
+
+from cifar_models import build_model  # noqa: E402
+from cluster_control import RankControl  # noqa: E402
+from cluster_plan import Method  # noqa: E402
+from comm_setup import build_exchange, build_optimizer  # noqa: E402
+
+PHASES = ("forward", "backward", "exchange", "compression", "optimizer")
+
+
+def _tx_bytes(ifname: str) -> int:
+    """Bytes sent by the interface ``ifname`` (in a namespace: its own sysfs, mounted by ``ip netns exec``)."""
+    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+class PerBucketGroups:
+    """One gloo process group per DDP bucket index, made on first use (see ``Method.group_per_bucket``).
+
+    :meth:`wrap` wraps a hook whose state has a ``process_group``: each call
+    runs in the group of its bucket. DDP calls the hook for its buckets in
+    index order on every rank, so every rank creates the groups in the same
+    order (``new_group`` is collective).
+    """
+
+    def __init__(self):
+        self.groups: List[dist.ProcessGroup] = []
+
+    def group(self, index: int) -> dist.ProcessGroup:
+        while len(self.groups) <= index:
+            self.groups.append(dist.new_group(backend="gloo"))
+        return self.groups[index]
+
+    def wrap(self, hook):
+        def hook_in_bucket_group(state, bucket):
+            state.process_group = self.group(bucket.index())
+            return hook(state, bucket)
+
+        return hook_in_bucket_group
+
+
+class MethodBench:
+    """A fresh DDP model with ``method``'s hook and optimizer, stepping on a fixed batch.
+
+    ``ifname`` is the interface whose sent bytes a window counts;
+    ``bucket_groups`` serves the methods that need a group per bucket;
+    ``width`` narrows the model (tests).
+    """
+
+    def __init__(self, method: Method, model: str, images: torch.Tensor, labels: torch.Tensor, ifname: str,
+                 bucket_groups: "PerBucketGroups", width: Optional[int] = None):
+        self.ifname = ifname
+        torch.manual_seed(0)
+        self.ddp = DistributedDataParallel(build_model(model, width=width))
+        args = method.recipe_args()
+        self.exchange = build_exchange(args)
+        self.optimizer = build_optimizer(args, self.ddp.parameters(), self.exchange)
+        if method.group_per_bucket:
+            self.exchange.wrap_hook(bucket_groups.wrap)
+        self.exchange.register(self.ddp)
+        self.images, self.labels = images, labels
+        self.averaging_s = 0.0
+        averager = getattr(self.optimizer, "averager", None)
+        if averager is not None:  # Local AdaAlter: time its averaging collective (bytes are counted already)
+            average_ = averager.average_
+
+            def timed_average_(tensors):
+                start = time.perf_counter()
+                try:
+                    return average_(tensors)
+                finally:
+                    self.averaging_s += time.perf_counter() - start
+
+            averager.average_ = timed_average_
+
+    def step(self) -> Dict[str, float]:
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(self.ddp(self.images), self.labels)
+        t1 = time.perf_counter()
+        hook_s, averaging_s = self.exchange.hook_seconds, self.averaging_s
+        loss.backward()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        t3 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        compression = self.exchange.hook_seconds - hook_s
+        averaging = self.averaging_s - averaging_s
+        last_hook = self.exchange.last_call_end
+        if not t1 <= last_hook <= t2:
+            raise RuntimeError("the comm hook was not called during backward; the phase split would be wrong")
+        return {"forward": t1 - t0, "backward": last_hook - t1 - compression, "compression": compression,
+                "exchange": t2 - last_hook + averaging, "optimizer": t3 - t2 - averaging}
+
+    def window(self, steps: int, multiple: int, min_seconds: float) -> dict:
+        """Time a window of steps between barriers; this rank's sums, bytes and per-step times.
+
+        The window has at least ``steps`` steps and lasts about ``min_seconds``
+        or more: after its first step the ranks agree (one-float MAX allreduce)
+        on ``max(steps, min_seconds / first step)`` steps, rounded up to a
+        multiple of ``multiple`` (Local AdaAlter: whole periods).
+        """
+        dist.barrier()
+        tx0, sent0, dense0 = _tx_bytes(self.ifname), self.exchange.bytes_sent, self.exchange.bytes_dense
+        sums: Dict[str, float] = defaultdict(float)
+        step_times: List[float] = []
+        start = time.perf_counter()
+        total = 1
+        while len(step_times) < total:
+            t = time.perf_counter()
+            for name, seconds in self.step().items():
+                sums[name] += seconds
+            step_times.append(time.perf_counter() - t)
+            if len(step_times) == 1:
+                first = torch.tensor([step_times[0]])
+                dist.all_reduce(first, op=dist.ReduceOp.MAX)
+                wanted = max(steps, math.ceil(min_seconds / max(first.item(), 1e-6)))
+                total = multiple * math.ceil(wanted / multiple)
+        seconds = time.perf_counter() - start
+        dist.barrier()  # every rank's traffic of the window has been sent
+        return {"seconds": seconds, "steps": total, "step_times": step_times, "tx": _tx_bytes(self.ifname) - tx0,
+                "sent": self.exchange.bytes_sent - sent0, "dense": self.exchange.bytes_dense - dense0, **sums}
+
+
+def combine(per_rank: List[dict]) -> dict:
+    """One result from the ranks' windows: means over ranks, per step."""
+    n, steps = len(per_rank), per_rank[0]["steps"]
+
+    def mean(key):
+        return sum(r[key] for r in per_rank) / n / steps
+
+    out = {"steps": steps, "s_per_step": mean("seconds"),
+           "s_per_step_max_rank": max(r["seconds"] for r in per_rank) / steps,
+           "step_times_rank0": per_rank[0]["step_times"],
+           "payload_bytes_per_step": mean("sent"), "wire_bytes_per_step": mean("tx"),
+           "dense_bytes_per_step": mean("dense")}
+    out.update({f"{name}_s": mean(name) for name in PHASES})
+    return out
+
+
+def _batch(rank: int, batch: int, size: int):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def run_plan(control_dir: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with open(os.path.join(control_dir, "plan.json")) as f:
+        plan = json.load(f)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=plan["timeout"]))
+    control = RankControl(control_dir, rank, plan["timeout"], dist.barrier)
+    images, labels = _batch(rank, plan["batch"], plan["image_size"])
+    bucket_groups = PerBucketGroups()
+    for run in plan["runs"]:
+        for fields in run["methods"]:
+            method = Method(**fields)
+            control.switch("unshaped")
+            bench = MethodBench(method, run["model"], images, labels, os.environ["GLOO_SOCKET_IFNAME"], bucket_groups)
+            for _ in range(method.untimed_steps):
+                bench.step()
+            for bandwidth in run["bandwidths"]:
+                control.switch(bandwidth)
+                mine = bench.window(plan["steps"], method.step_multiple, plan["min_window_s"])
+                gathered: List[dict] = [None] * world  # type: ignore[list-item]
+                dist.all_gather_object(gathered, mine)
+                if rank == 0:
+                    record = {"model": run["model"], "hosts": world, "bandwidth": bandwidth, "round": run["round"],
+                              **method.as_dict(),
+                              "params": sum(p.numel() for p in bench.ddp.parameters()), "batch": plan["batch"],
+                              "image_size": plan["image_size"], **combine(gathered)}
+                    with open(plan["out"], "a") as f:
+                        f.write(json.dumps(record) + "\n")
+            del bench
+            gc.collect()  # free the model, its reducer and hook state before the next one
+    dist.barrier()
+
+
+def main(control_dir: str) -> None:
+    code = 0
+    try:
+        run_plan(control_dir)
+    except BaseException:  # noqa: BLE001 - the controller reads the log
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001
+            pass
+        # as ddp_hooks.testing: gloo's teardown aborts now and then at interpreter exit
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
