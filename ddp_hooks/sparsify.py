@@ -51,17 +51,69 @@ from .sparsify_state import SparsifyState
 __all__ = ["sparsify_hook"]
 
 
-def _compensated(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
-    """``p = g + e`` as float32: the residual itself, updated in place, under error feedback."""
+def _gradient_term(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
+    """What error feedback accumulates: the bucket's gradient, or ``u = m u + g + wd x`` (momentum correction).
+
+    With ``momentum`` > 0 the term is the rank's float32 velocity, updated in
+    place; with only ``weight_decay`` > 0 it is a float32 copy of the gradient
+    plus ``wd * x``; otherwise the bucket buffer itself.
+    """
     buffer = bucket.buffer()
+    if state.momentum > 0.0:
+        term = state.velocities.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
+        term.mul_(state.momentum).add_(buffer)
+    elif state.weight_decay > 0.0:
+        term = buffer.to(torch.float32, copy=True)
+    else:
+        return buffer
+    if state.weight_decay > 0.0:
+        for param, (_, offset, n) in zip(bucket.parameters(), layout):
+            term[offset : offset + n].add_(param.detach().reshape(-1), alpha=state.weight_decay)
+    return term
+
+
+def _compensated(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
+    """``p = g + e`` as float32 (``g``: :func:`_gradient_term`): the residual itself, updated in place, under error feedback."""
+    term = _gradient_term(state, bucket, layout)
     if state.error_feedback:
+        buffer = bucket.buffer()
         residual = state.residuals.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
-        return residual.add_(buffer)
-    return buffer if buffer.dtype == torch.float32 else buffer.float()
+        return residual.add_(term)
+    return term if term.dtype == torch.float32 else term.float()
+
+
+def _dense_warmup_term(state: SparsifyState, bucket: dist.GradBucket, layout) -> None:
+    """During warm-up with momentum or weight decay in the hook: send all of ``p`` (the optimizer has neither)."""
+    buffer = bucket.buffer()
+    p = _compensated(state, bucket, layout)
+    if p is buffer:
+        return
+    buffer.copy_(p)
+    if state.error_feedback:  # the residual keeps only what rounding to the bucket's dtype lost
+        p.sub_(buffer)
+
+
+def _keep_sent_velocity(velocities: List[torch.Tensor], positions: torch.Tensor) -> None:
+    """Zero the velocity wherever this rank sent nothing (``positions`` index the concatenated velocities).
+
+    A coordinate that was not sent did not move, so it has no velocity: its
+    gradient waits in the residual as plain error feedback, and the burst that
+    leaves with it later is not multiplied by ``1 / (1 - momentum)``. A
+    coordinate sent at consecutive steps keeps its momentum; at density 1
+    nothing is reset and the hook is momentum SGD.
+    """
+    sizes = [v.numel() for v in velocities]
+    sent = torch.zeros(sum(sizes), dtype=torch.bool, device=positions.device)
+    sent[positions] = True
+    for velocity, mask in zip(velocities, sent.split(sizes)):
+        velocity.masked_fill_(~mask, 0.0)
 
 
 def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], target: torch.Tensor, step: int):
-    """Select, update the residual, launch the collective; the future writes the mean into ``target``."""
+    """Select, update the residual, launch the collective; the future writes the mean into ``target``.
+
+    Returns ``(future, positions)``: the positions of ``p`` this rank sent.
+    """
     group, world, rank = state._group, state._world_size, state._rank
     shared = state.aggregation == "allreduce"
     positions = select(state.method, p, units, state.density, state.seed, step, SHARED if shared else rank)
@@ -84,7 +136,7 @@ def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], targ
             target.index_copy_(0, positions, fut.value())
             return target
 
-        return allreduce_sum(wire, group, world).then(write_shared)
+        return allreduce_sum(wire, group, world).then(write_shared), positions
 
     if state.method == "topk":
         index_dtype = torch.int32 if target.numel() < 2**31 else torch.int64
@@ -116,7 +168,7 @@ def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], targ
             target.copy_(accumulator)
         return target
 
-    return allgather(payload, group, world).then(write_gathered)
+    return allgather(payload, group, world).then(write_gathered), positions
 
 
 def _global_exchange(state: SparsifyState, step: int):
@@ -128,7 +180,9 @@ def _global_exchange(state: SparsifyState, step: int):
     joined = torch.cat([p for _, _, p, _ in entries])
     target = torch.empty(joined.numel(), dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
                          device=joined.device)
-    fut = _exchange(state, joined, [Unit(0, 0, joined.numel())], target, step)
+    fut, positions = _exchange(state, joined, [Unit(0, 0, joined.numel())], target, step)
+    if state.momentum > 0.0:
+        _keep_sent_velocity([state.velocities.flat(index) for index, _, _, _ in entries], positions)
     if state.error_feedback:  # the residual update happened in `joined`: copy it back
         for (_, _, p, _), chunk in zip(entries, joined.split(sizes)):
             p.copy_(chunk)
@@ -177,6 +231,8 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     if state.step < state.warmup_steps:
         n = buffer.numel()
         state._stats.add(n, n * buffer.element_size(), n, n * buffer.element_size())
+        if state.momentum > 0.0 or state.weight_decay > 0.0:
+            _dense_warmup_term(state, bucket, layout)
         fut = allreduce_mean(buffer, state._group, state._world_size)
         if last:
             state._end_step(bucket.index(), compressed=False)
@@ -194,7 +250,9 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout]
         else:
             units = [Unit(bucket.index(), 0, buffer.numel())]
-        fut = _exchange(state, p, units, buffer, step)
+        fut, positions = _exchange(state, p, units, buffer, step)
+        if state.momentum > 0.0:
+            _keep_sent_velocity([state.velocities.flat(bucket.index())], positions)
     if last:
         state._end_step(bucket.index(), compressed=True)
     return fut
