@@ -38,7 +38,7 @@ Example (one process, so the average is the rank's own sparse gradient)::
     >>> dist.destroy_process_group()
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,23 +52,13 @@ __all__ = ["sparsify_hook"]
 
 
 def _gradient_term(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
-    """What error feedback accumulates: the bucket's gradient, or ``u = m u + g + wd x`` (momentum correction).
-
-    With ``momentum`` > 0 the term is the rank's float32 velocity, updated in
-    place; with only ``weight_decay`` > 0 it is a float32 copy of the gradient
-    plus ``wd * x``; otherwise the bucket buffer itself.
-    """
+    """The bucket's gradient, plus ``weight_decay * x`` (as a float32 copy) when the hook applies weight decay."""
     buffer = bucket.buffer()
-    if state.momentum > 0.0:
-        term = state.velocities.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
-        term.mul_(state.momentum).add_(buffer)
-    elif state.weight_decay > 0.0:
-        term = buffer.to(torch.float32, copy=True)
-    else:
+    if state.weight_decay == 0.0:
         return buffer
-    if state.weight_decay > 0.0:
-        for param, (_, offset, n) in zip(bucket.parameters(), layout):
-            term[offset : offset + n].add_(param.detach().reshape(-1), alpha=state.weight_decay)
+    term = buffer.to(torch.float32, copy=True)
+    for param, (_, offset, n) in zip(bucket.parameters(), layout):
+        term[offset : offset + n].add_(param.detach().reshape(-1), alpha=state.weight_decay)
     return term
 
 
@@ -82,42 +72,53 @@ def _compensated(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch
     return term if term.dtype == torch.float32 else term.float()
 
 
+def _bucket_velocity(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
+    buffer = bucket.buffer()
+    return state.velocities.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
+
+
 def _dense_warmup_term(state: SparsifyState, bucket: dist.GradBucket, layout) -> None:
-    """During warm-up with momentum or weight decay in the hook: send all of ``p`` (the optimizer has neither)."""
+    """During warm-up with momentum or weight decay in the hook: send everything (the optimizer has neither).
+
+    Every position is sent, so with momentum the velocity steps everywhere:
+    ``w = m w + p``, and ``w`` is what the bucket carries.
+    """
     buffer = bucket.buffer()
     p = _compensated(state, bucket, layout)
-    if p is buffer:
+    send = p
+    if state.momentum > 0.0:
+        send = _bucket_velocity(state, bucket, layout).mul_(state.momentum).add_(p)
+    if send is buffer:
         return
-    buffer.copy_(p)
+    buffer.copy_(send)
     if state.error_feedback:  # the residual keeps only what rounding to the bucket's dtype lost
+        if send is not p:
+            p.copy_(send)
         p.sub_(buffer)
 
 
-def _keep_sent_velocity(velocities: List[torch.Tensor], positions: torch.Tensor) -> None:
-    """Zero the velocity wherever this rank sent nothing (``positions`` index the concatenated velocities).
+def _sent_values(state: SparsifyState, p: torch.Tensor, velocity: Optional[torch.Tensor], positions: torch.Tensor):
+    """What leaves at ``positions``: ``p`` there, or with momentum the velocity stepped there, ``w = m w + p``.
 
-    A coordinate that was not sent did not move, so it has no velocity: its
-    gradient waits in the residual as plain error feedback, and the burst that
-    leaves with it later is not multiplied by ``1 / (1 - momentum)``. A
-    coordinate sent at consecutive steps keeps its momentum; at density 1
-    nothing is reset and the hook is momentum SGD.
+    The velocity moves only where something is sent: a coordinate that stays
+    behind keeps its velocity for its next send, so momentum counts sends, not
+    steps, and a burst that gathered many steps of gradient is not multiplied
+    by ``1 / (1 - m)`` again at every step it waited.
     """
-    sizes = [v.numel() for v in velocities]
-    sent = torch.zeros(sum(sizes), dtype=torch.bool, device=positions.device)
-    sent[positions] = True
-    for velocity, mask in zip(velocities, sent.split(sizes)):
-        velocity.masked_fill_(~mask, 0.0)
+    values = p[positions]
+    if velocity is not None:
+        values.add_(velocity[positions], alpha=state.momentum)
+        velocity.index_copy_(0, positions, values)
+    return values
 
 
-def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], target: torch.Tensor, step: int):
-    """Select, update the residual, launch the collective; the future writes the mean into ``target``.
-
-    Returns ``(future, positions)``: the positions of ``p`` this rank sent.
-    """
+def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], target: torch.Tensor, step: int,
+              velocity: Optional[torch.Tensor] = None):
+    """Select, update the residual (and velocity), launch the collective; the future writes the mean into ``target``."""
     group, world, rank = state._group, state._world_size, state._rank
     shared = state.aggregation == "allreduce"
     positions = select(state.method, p, units, state.density, state.seed, step, SHARED if shared else rank)
-    values = p[positions]
+    values = _sent_values(state, p, velocity, positions)
     wire = values.to(target.dtype)
     if state.error_feedback:
         if wire.dtype == torch.float32:
@@ -136,7 +137,7 @@ def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], targ
             target.index_copy_(0, positions, fut.value())
             return target
 
-        return allreduce_sum(wire, group, world).then(write_shared), positions
+        return allreduce_sum(wire, group, world).then(write_shared)
 
     if state.method == "topk":
         index_dtype = torch.int32 if target.numel() < 2**31 else torch.int64
@@ -168,7 +169,7 @@ def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], targ
             target.copy_(accumulator)
         return target
 
-    return allgather(payload, group, world).then(write_gathered), positions
+    return allgather(payload, group, world).then(write_gathered)
 
 
 def _global_exchange(state: SparsifyState, step: int):
@@ -180,9 +181,11 @@ def _global_exchange(state: SparsifyState, step: int):
     joined = torch.cat([p for _, _, p, _ in entries])
     target = torch.empty(joined.numel(), dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
                          device=joined.device)
-    fut, positions = _exchange(state, joined, [Unit(0, 0, joined.numel())], target, step)
-    if state.momentum > 0.0:
-        _keep_sent_velocity([state.velocities.flat(index) for index, _, _, _ in entries], positions)
+    velocities = [state.velocities.flat(index) for index, _, _, _ in entries] if state.momentum > 0.0 else []
+    joined_velocity = torch.cat(velocities) if velocities else None
+    fut = _exchange(state, joined, [Unit(0, 0, joined.numel())], target, step, joined_velocity)
+    for velocity, chunk in zip(velocities, joined_velocity.split(sizes) if velocities else ()):
+        velocity.copy_(chunk)
     if state.error_feedback:  # the residual update happened in `joined`: copy it back
         for (_, _, p, _), chunk in zip(entries, joined.split(sizes)):
             p.copy_(chunk)
@@ -239,6 +242,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         return fut
     step = state.step
     p = _compensated(state, bucket, layout)
+    velocity = _bucket_velocity(state, bucket, layout) if state.momentum > 0.0 else None
     if state.scope == "global":
         pending: torch.futures.Future = torch.futures.Future()
         state._pending_global.append((bucket.index(), buffer, p, pending))
@@ -250,9 +254,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout]
         else:
             units = [Unit(bucket.index(), 0, buffer.numel())]
-        fut, positions = _exchange(state, p, units, buffer, step)
-        if state.momentum > 0.0:
-            _keep_sent_velocity([state.velocities.flat(bucket.index())], positions)
+        fut = _exchange(state, p, units, buffer, step, velocity)
     if last:
         state._end_step(bucket.index(), compressed=True)
     return fut

@@ -1,14 +1,15 @@
 """Momentum SGD with the sparsifying hook: which of the pair applies momentum and weight decay.
 
-The rule (measured in ``bench/bench_convergence.py``): with error feedback
-and momentum > 0, momentum and weight decay run in the hook
-(``SparsifyState(momentum=m, weight_decay=wd)``) and the optimizer is plain
-``torch.optim.SGD(lr)``; otherwise they stay in the optimizer. The other way
-round, a random selector with error feedback under the optimizer's momentum
-diverges at the usual lr 0.1, momentum 0.9: a coordinate leaves about once
-every ``1 / density`` steps with everything it gathered, and the optimizer
-multiplies that stale burst by ``1 / (1 - momentum)``
-(:class:`~ddp_hooks.SparsifyState`, argument ``momentum``).
+The rule (measured in ``bench/bench_convergence.py``): with a random selector
+(``randomk``, ``random_block``), error feedback and momentum > 0, momentum and
+weight decay run in the hook (``SparsifyState(momentum=m, weight_decay=wd)``)
+and the optimizer is plain ``torch.optim.SGD(lr)``; otherwise (top-k, no
+error feedback, no momentum) they stay in the optimizer. A random selector
+with error feedback under the optimizer's momentum diverges at the usual
+lr 0.1, momentum 0.9: a coordinate leaves about once every ``1 / density``
+steps with everything it gathered, and the optimizer multiplies that stale
+burst by ``1 / (1 - momentum)`` (:class:`~ddp_hooks.SparsifyState`,
+argument ``momentum``).
 
 :func:`build_sparsify_sgd` builds a correct pair. A hand-built pair is checked
 at its optimizer's first step (:func:`check_optimizer`, installed by the
@@ -33,6 +34,7 @@ Example (one process)::
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from typing import Tuple
@@ -50,9 +52,14 @@ __all__ = ["build_sparsify_sgd", "check_optimizer", "momentum_in_hook", "RANDOM_
 RANDOM_METHODS = ("randomk", "random_block")
 
 
-def momentum_in_hook(error_feedback: bool, momentum: float) -> bool:
-    """True when momentum (and weight decay) belong in the hook: error feedback with momentum > 0."""
-    return bool(error_feedback) and momentum > 0.0
+def momentum_in_hook(method: str, error_feedback: bool, momentum: float) -> bool:
+    """True when momentum (and weight decay) belong in the hook: a random selector, error feedback, momentum > 0.
+
+    Top-k keeps the optimizer's momentum: its large coordinates leave at
+    once, so no stale burst builds up, and in ``bench/bench_convergence.py``
+    it trained at least as well that way.
+    """
+    return method in RANDOM_METHODS and bool(error_feedback) and momentum > 0.0
 
 
 def build_sparsify_sgd(
@@ -65,8 +72,8 @@ def build_sparsify_sgd(
     """Register :func:`~ddp_hooks.sparsify_hook` on ``ddp_model`` and return ``(state, optimizer)``, paired.
 
     The pair trains like ``torch.optim.SGD(lr, momentum, weight_decay)`` with
-    sparsified gradients: equal to it at density 1, and with momentum and
-    weight decay moved into the hook whenever :func:`momentum_in_hook` says so.
+    sparsified gradients (equal to it at density 1); momentum and weight decay
+    move into the hook when :func:`momentum_in_hook` says so.
 
     Args:
         ddp_model: a ``DistributedDataParallel`` model without a comm hook yet.
@@ -81,7 +88,9 @@ def build_sparsify_sgd(
     """
     check_float("momentum", momentum, 0.0, 1.0, high_open=True, reason="it is SGD's heavy-ball factor")
     check_float("weight_decay", weight_decay, 0.0, float("inf"), high_open=True, reason="it is SGD's L2 penalty")
-    in_hook = momentum_in_hook(hook_options.get("error_feedback", True), momentum)
+    defaults = {name: param.default for name, param in inspect.signature(SparsifyState).parameters.items()}
+    options = {**defaults, **hook_options}
+    in_hook = momentum_in_hook(options["method"], options["error_feedback"], momentum)
     state = SparsifyState(momentum=momentum if in_hook else 0.0, weight_decay=weight_decay if in_hook else 0.0,
                           **hook_options)
     ddp_model.register_comm_hook(state, sparsify_hook)

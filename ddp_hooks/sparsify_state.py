@@ -63,18 +63,17 @@ class SparsifyState:
         seed (int): seed of the random selectors, in [0, 2**63 - 1].
         momentum (float): in [0, 1). 0 (the default) leaves momentum to the
             optimizer. Above 0 the hook applies heavy-ball momentum itself,
-            before compressing (momentum correction, after Lin et al., "Deep
-            Gradient Compression", ICLR 2018, arXiv 1712.01887): each rank
-            keeps a float32 velocity ``u`` and error feedback accumulates
-            ``u`` instead of the raw gradient. Pair it with
-            ``torch.optim.SGD(momentum=0, weight_decay=0)``;
-            :func:`~ddp_hooks.build_sparsify_sgd` builds the pair, and an
-            optimizer that adds its own momentum is refused at its first step.
-            Needs ``error_feedback=True``.
+            before the exchange (momentum correction, after Lin et al., "Deep
+            Gradient Compression", ICLR 2018, arXiv 1712.01887), with a
+            float32 velocity per rank that steps only where the rank sends
+            (below). Pair it with ``torch.optim.SGD(momentum=0,
+            weight_decay=0)``; :func:`~ddp_hooks.build_sparsify_sgd` builds
+            the pair, and an optimizer that adds its own momentum is refused
+            at its first step. Needs ``error_feedback=True``.
         weight_decay (float): >= 0 (0). Adds ``weight_decay * x`` to each
-            rank's gradient in the hook, before the momentum, as
-            ``torch.optim.SGD`` does; with ``momentum`` > 0 use it instead of
-            the optimizer's, so that the pair is momentum SGD with weight decay.
+            rank's gradient in the hook, before error feedback and momentum,
+            as ``torch.optim.SGD`` adds it before its momentum; with
+            ``momentum`` > 0 use it instead of the optimizer's.
 
     The error-feedback recursion (Eghlidi & Jaggi 2020, arXiv 2009.09271;
     residual ``e`` starts at 0 and is kept per rank in float32):
@@ -82,31 +81,33 @@ class SparsifyState:
     .. math:: p_t = g_t + e_t,\quad c_t = C_k(p_t),\quad e_{t+1} = p_t - c_t,
               \quad \hat g_t = \tfrac{1}{W}\textstyle\sum_{r} c_t^{(r)}
 
-    With ``momentum`` m > 0 and ``weight_decay`` wd, ``g_t`` is replaced by the
-    rank's velocity, which is then kept only where the rank sent something
-    (``S_t``, the positions of ``c_t``; ``u`` starts at 0):
+    With ``momentum`` m > 0 (``g_t`` includes ``wd * x_t``), each rank also
+    keeps a velocity ``w`` (starts at 0) that moves only at the positions
+    ``S_t`` it sends, and what it sends there is the stepped velocity:
 
-    .. math:: u_t = m\,\bar u_{t-1} + g_t + \mathrm{wd}\,x_t,\quad
-              p_t = u_t + e_t,\quad
-              \bar u_t = u_t \text{ on } S_t,\ 0 \text{ elsewhere}
+    .. math:: p_t = g_t + e_t,\quad
+              w_{t+1}[S_t] = m\,w_t[S_t] + p_t[S_t],\quad
+              c_t = w_{t+1}[S_t] \text{ on } S_t,\quad
+              e_{t+1} = p_t \text{ off } S_t,\ 0 \text{ on } S_t
 
-    Mass is conserved in the velocity: :math:`\sum_{s\le t} \hat g_s +
-    \tfrac{1}{W}\sum_r e^{(r)}_{t+1} = \tfrac{1}{W}\sum_r \sum_{s\le t}
-    u^{(r)}_s`. At density 1 every position is sent, nothing is reset, and
-    the applied update is momentum SGD's buffer (torch.optim.SGD with
-    ``momentum=m, weight_decay=wd``). Below it, a coordinate that was not sent
-    did not move and has no velocity: its gradients wait in the residual as
-    plain error feedback, and the burst that leaves later is not multiplied by
-    ``1 / (1 - m)``. Why: with a random selector a coordinate leaves about
-    once every ``1 / density`` steps carrying that many gradients, so the
-    model trails the dense trajectory by about ``lr / (1 - m) / density``
-    gradient lengths; with the optimizer's momentum at lr 0.1, m 0.9 that is
-    20 at density 0.05, and training diverges exactly as it does without
-    momentum at lr 1.0 (``bench/bench_convergence.py``). Resetting stale
-    velocity brings the lag back to ``lr / density``. (DGC's own masking,
-    clearing the velocity where it *was* sent, keeps a long-unsent
-    coordinate's full ``1 / (1 - m)`` gain; in our measurements it did not
-    prevent the divergence.)
+    and ``w`` keeps its value off ``S_t``. So every gradient reaches the model
+    exactly once, plus momentum's carry at each send:
+    :math:`\sum_{s\le t} c_s + e_{t+1} = \sum_{s\le t} g_s +
+    m \sum_{s\le t} w_s[S_s]` (per rank; the model gets the mean over
+    ranks). At density 1 every position is sent at every step and this is
+    momentum SGD (torch.optim.SGD with ``momentum=m, weight_decay=wd``).
+    Below it momentum counts *sends*, not steps: a coordinate that waited
+    ``D`` steps leaves with its ``D`` gradients plus ``m`` times its velocity
+    from its last send. Why not the optimizer's momentum, or a velocity
+    stepped every step (DGC's form): with a random selector a coordinate
+    leaves about once every ``1 / density`` steps carrying that many
+    gradients, and a velocity that steps every step multiplies that stale
+    burst by ``1 / (1 - m)``; at lr 0.1, m 0.9 the burst is 20 times a dense
+    step at density 0.05 and 100 at 0.01, and training diverges, as it does
+    without momentum at lr 1.0 (``bench/bench_convergence.py``). In send
+    time the stale burst is a heavy-ball step on ``D`` gradients, stable up to
+    ``lr * D * curvature < 2 (1 + m)``, while a steady gradient still gains
+    the full ``1 / (1 - m)`` over successive sends.
 
     Example::
 
@@ -211,11 +212,6 @@ class SparsifyState:
                 f"error_feedback={bool(ints['error_feedback'])}, warmup_steps={ints['warmup_steps']}, "
                 f"seed={ints['seed']}, momentum={_bits_float(ints['momentum_bits']):g}, "
                 f"weight_decay={_bits_float(ints['weight_decay_bits']):g}")
-
-    @property
-    def corrects_momentum(self) -> bool:
-        """True when the hook keeps a velocity per rank (``momentum`` > 0): the optimizer must not add its own."""
-        return self.momentum > 0.0
 
     # ----- binding to the process group, at the first hook call -----
     def _bind(self, bucket: dist.GradBucket) -> None:
@@ -327,7 +323,7 @@ class SparsifyState:
             "rank": self._rank if self._checked else (self._loaded_meta or {}).get("rank", 0),
             "world_size": self._world_size if self._checked else (self._loaded_meta or {}).get("world_size", 1),
             "residuals": self.residuals.state() if self.error_feedback else {},
-            "velocities": self.velocities.state() if self.corrects_momentum else {},
+            "velocities": self.velocities.state() if self.momentum > 0.0 else {},
             "stats": self._stats.state_dict(),
         }
 

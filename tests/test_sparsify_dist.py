@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_hooks import SparsifyState, build_sparsify_sgd, sparsify_hook
+from ddp_hooks import SparsifyState, sparsify_hook
 from ddp_hooks.selection import budget
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
 
@@ -169,8 +169,9 @@ def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, momentum_in_
         model = DDP(_model(), bucket_cap_mb=0.002)
         options = dict(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=3, warmup_steps=warmup)
         if momentum_in_hook:  # velocities in the hook state, plain SGD
-            st, opt = build_sparsify_sgd(model, lr=0.05, momentum=0.9, weight_decay=5e-4, **options)
-            return model, opt, st
+            st = SparsifyState(momentum=0.9, weight_decay=5e-4, **options)
+            model.register_comm_hook(st, sparsify_hook)
+            return model, torch.optim.SGD(model.parameters(), lr=0.05), st
         st = SparsifyState(**options)
         model.register_comm_hook(st, sparsify_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), st

@@ -167,10 +167,15 @@ def _parity(rank, world):
         warnings.simplefilter("ignore")  # density=1
         for method, scope, aggregation in COMBOS:
             model = DDP(_model(), bucket_cap_mb=0.002)
-            state, opt = build_sparsify_sgd(model, lr=0.05, momentum=M, weight_decay=WD, method=method, density=1.0,
-                                            scope=scope, aggregation=aggregation, warmup_steps=2)
-            assert state.momentum == M and opt.defaults["momentum"] == 0.0
-            diffs[(method, scope, aggregation)] = (_train(model, opt, rank) - ref).abs().max().item()
+            state = SparsifyState(method=method, density=1.0, scope=scope, aggregation=aggregation, warmup_steps=2,
+                                  momentum=M, weight_decay=WD)
+            model.register_comm_hook(state, sparsify_hook)
+            diffs[(method, scope, aggregation)] = (_train(model, torch.optim.SGD(model.parameters(), lr=0.05), rank)
+                                                   - ref).abs().max().item()
+        model = DDP(_model(), bucket_cap_mb=0.002)
+        state, opt = build_sparsify_sgd(model, lr=0.05, momentum=M, weight_decay=WD, method="randomk", density=1.0)
+        assert state.momentum == M and state.weight_decay == WD and opt.defaults["momentum"] == 0.0
+        diffs["build_sparsify_sgd"] = (_train(model, opt, rank) - ref).abs().max().item()
     return diffs, ref.abs().max().item()
 
 
@@ -180,7 +185,15 @@ def test_density_one_with_hook_momentum_equals_momentum_sgd_with_weight_decay():
         assert diff < 1e-6 * scale, (combo, diff)  # float rounding: each rank's velocity is averaged
 
 
-# ----- mass: sum of applied updates + mean residual == mean over ranks of the sum of velocities -----
+def test_build_sparsify_sgd_keeps_top_k_momentum_in_the_optimizer():
+    from ddp_hooks.sparsify_sgd import momentum_in_hook
+
+    assert momentum_in_hook("randomk", True, 0.9) and momentum_in_hook("random_block", True, 0.9)
+    assert not momentum_in_hook("topk", True, 0.9)
+    assert not momentum_in_hook("randomk", False, 0.9) and not momentum_in_hook("randomk", True, 0.0)
+
+
+# ----- mass: sum of what a rank sent + its residual == sum of its gradients + momentum's carry at sends -----
 
 def _recording_hook(rec, bucket):
     for p, g in zip(bucket.parameters(), bucket.gradients()):
@@ -190,53 +203,53 @@ def _recording_hook(rec, bucket):
 
 def _by_param(store, keys, params):
     saved = store.state()
-    return [saved.get(keys.get(id(p)), torch.zeros(p.numel())).reshape(-1).double() for p in params]
+    return torch.cat([saved.get(keys.get(id(p)), torch.zeros(p.numel())).reshape(-1).double() for p in params])
 
 
-def _mass(rank, world, steps=12):
+def _mass(rank, world, steps=12, warmup=2):
     out = []
     for method, scope, aggregation in COMBOS:
         state = SparsifyState(method=method, density=0.05, scope=scope, aggregation=aggregation, momentum=M,
-                              weight_decay=WD)
+                              weight_decay=WD, warmup_steps=warmup)
         model = DDP(_model(), bucket_cap_mb=0.002)  # several buckets, rebuilt after the first step
         rec = {"state": state, "g": {}}
         model.register_comm_hook(rec, _recording_hook)
         params = list(model.parameters())
         applied = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
-        velocity_sum = torch.zeros_like(applied)
-        worst_reset = 0.0
+        inflow = torch.zeros_like(applied)  # gradients + weight decay + momentum's carry at the sent positions
+        worst_velocity = 0.0
         for step in range(steps):
-            x_before = _flat(params).double()
-            kept = torch.cat(_by_param(state.velocities, state._param_keys, params))
-            e_old = torch.cat(_by_param(state.residuals, state._param_keys, params))
+            x = _flat(params).double()
+            w_old = _by_param(state.velocities, state._param_keys, params)
+            e_old = _by_param(state.residuals, state._param_keys, params)
             model.zero_grad()
             model(_batch(rank, step)).pow(2).sum().backward()
-            g = torch.cat([rec["g"][id(p)].reshape(-1) for p in params]).double()
-            u = M * kept + g + WD * x_before  # this step's velocity, before the reset
-            velocity_sum += u
+            g = torch.cat([rec["g"][id(p)].reshape(-1) for p in params]).double() + WD * x
+            p_comp = e_old + g
+            e_new = _by_param(state.residuals, state._param_keys, params)
+            w_new = _by_param(state.velocities, state._param_keys, params)
+            sent = (e_new == 0) & (p_comp != 0)
+            assert step >= warmup or bool(sent.all()), "warm-up sends every position"
+            expected_w = torch.where(sent, M * w_old + p_comp, w_old)
+            worst_velocity = max(worst_velocity, (w_new - expected_w).abs().max().item())
+            inflow += g + torch.where(sent, M * w_old, torch.zeros_like(w_old))
             applied += _flat(p.grad for p in params).double()
-            e_new = torch.cat(_by_param(state.residuals, state._param_keys, params))
-            sent = (e_new == 0) & (e_old + u != 0)
-            kept_new = torch.cat(_by_param(state.velocities, state._param_keys, params))
-            # the velocity survives exactly where this rank sent its entry
-            worst_reset = max(worst_reset, (kept_new - torch.where(sent, u, torch.zeros_like(u))).abs().max().item())
             with torch.no_grad():  # move the model, so that weight decay sees changing parameters
                 for p in params:
                     p.sub_(0.01 * p.grad)
-        e = torch.cat(_by_param(state.residuals, state._param_keys, params))
+        e = _by_param(state.residuals, state._param_keys, params)
         dist.all_reduce(e)
-        dist.all_reduce(velocity_sum)
-        err = (applied + e / world - velocity_sum / world).abs().max().item()
-        out.append((method, scope, aggregation, err, velocity_sum.abs().max().item(), worst_reset,
-                    e.abs().sum().item()))
+        dist.all_reduce(inflow)
+        err = (applied + e / world - inflow / world).abs().max().item()
+        out.append((method, scope, aggregation, err, inflow.abs().max().item(), worst_velocity, e.abs().sum().item()))
     return out
 
 
-def test_velocity_mass_is_conserved_and_reset_where_nothing_was_sent():
-    for method, scope, aggregation, err, scale, worst_reset, residual_mass in run_distributed(_mass, 2, timeout=300)[0]:
-        assert residual_mass > 0, "a residual must remain at density 0.05"
+def test_mass_is_conserved_and_the_velocity_moves_only_where_sent():
+    for method, scope, aggregation, err, scale, worst_velocity, residual in run_distributed(_mass, 2, timeout=300)[0]:
+        assert residual > 0, "a residual must remain at density 0.05"
         assert err < 1e-5 * max(1.0, scale), (method, scope, aggregation, err, scale)
-        assert worst_reset < 1e-4 * max(1.0, scale), (method, scope, aggregation, worst_reset)
+        assert worst_velocity < 1e-4 * max(1.0, scale), (method, scope, aggregation, worst_velocity)
 
 
 # (exact resume with velocities: tests/test_sparsify_dist.py, test_checkpoint_resume_is_exact)
