@@ -77,14 +77,14 @@ def mlp(seed):
                                torch.nn.Linear(256, 10))
 
 
-def configurations(momenta):
+def configurations(momenta, densities=DENSITIES, placements=("optimizer", "hook")):
     """(momentum, method, density, error_feedback, placement) of every run; method 'dense' has no density."""
     runs = []
     for m in momenta:
         runs.append((m, "dense", None, False, "-"))
-        for density in DENSITIES:
+        for density in densities:
             for method in EF_METHODS:
-                for placement in (("optimizer", "hook") if m > 0 else ("-",)):
+                for placement in (placements if m > 0 else ("-",)):
                     runs.append((m, method, density, True, placement))
             runs.append((m, "randomk", density, False, "-"))
     return runs
@@ -157,7 +157,7 @@ def _cell(values):
     return text
 
 
-def table(results, momenta, seeds):
+def table(results, momenta, densities):
     """Markdown tables, one per momentum, from ``(seed, run, accuracy, loss)`` rows."""
     by_run = {}
     for seed, run, accuracy, loss in results:
@@ -166,28 +166,28 @@ def table(results, momenta, seeds):
     for m in momenta:
         dense = _cell(by_run[(m, "dense", None, False, "-")])
         lines += ["", f"momentum {m:g}: dense {dense}", "",
-                  "| method | error feedback | momentum in | " + " | ".join(f"d={d:g}" for d in DENSITIES) + " |",
-                  "|---|---|---|" + "---|" * len(DENSITIES)]
+                  "| method | error feedback | momentum in | " + " | ".join(f"d={d:g}" for d in densities) + " |",
+                  "|---|---|---|" + "---|" * len(densities)]
         keys = sorted({(run[1], run[3], run[4]) for run in by_run if run[0] == m and run[1] != "dense"},
                       key=lambda k: (not k[1], EF_METHODS.index(k[0]), k[2]))
         for method, ef, placement in keys:
             where = placement if m > 0 else "-"
             if m > 0 and ef and (placement == "hook") == momentum_in_hook(method, ef, m):
                 where += " (built)"
-            cells = [_cell(by_run[(m, method, d, ef, placement)]) for d in DENSITIES]
+            cells = [_cell(by_run[(m, method, d, ef, placement)]) for d in densities]
             lines.append(f"| {method} | {'yes' if ef else 'no'} | {where} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(args):
-    seeds = list(range(args.seeds))
-    runs = configurations(args.momenta)
+    seeds = list(range(args.seed_start, args.seed_start + args.seeds))
+    runs = configurations(args.momenta, args.densities, args.placements)
     start = time.perf_counter()
     results = run_distributed(body, 2, runs, args, seeds, timeout=3600)[0]
     print(f"digits MLP 64-256-256-10, 2 gloo ranks, batch {args.batch}/rank, {args.epochs} epochs, lr {args.lr} "
           f"({args.schedule}), weight decay {args.weight_decay}, layer scope, seeds {seeds}; final test accuracy %, "
           f"mean ±half-range over seeds, !n/N = n of N runs diverged")
-    print(table(results, args.momenta, seeds))
+    print(table(results, args.momenta, args.densities))
     if args.per_seed:
         print("\nper seed (seed, momentum, method, density, error feedback, momentum in, accuracy, last-epoch loss):")
         for seed, run, accuracy, loss in results:
@@ -205,6 +205,10 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine", help="lr schedule (default cosine)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay (default 5e-4)")
     p.add_argument("--momenta", type=float, nargs="+", default=[0.9, 0.0], help="momentum values (default 0.9 0)")
+    p.add_argument("--seed-start", type=int, default=0, help="first seed (default 0)")
+    p.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES), help="densities (default 0.1 0.05 0.01)")
+    p.add_argument("--placements", nargs="+", choices=("optimizer", "hook"), default=["optimizer", "hook"],
+                   help="where momentum runs, for error-feedback methods with momentum (default: both)")
     p.add_argument("--per-seed", action="store_true", help="also print every run")
     args = p.parse_args(argv)
     if args.seeds is None:

@@ -6,9 +6,12 @@ Jaggi, "Sparse Communication for Training Deep Networks" (2020,
 arXiv 2009.09271):
 
 1. Compensate: ``p = g + e`` in place in the float32 residual of the bucket
-   (one pass over the gradient, the floor of any error-feedback method).
+   (one pass over the gradient, the floor of any error-feedback method);
+   with ``weight_decay`` the gradient term is ``g + wd * x``.
 2. Select ``k = ceil(density * n)`` positions of ``p`` per unit
-   (:mod:`ddp_hooks.selection`).
+   (:mod:`ddp_hooks.selection`). With ``momentum`` m, the rank's velocity
+   steps at those positions only, ``w = m w + p``, and ``w`` is sent there
+   (momentum in sends, not steps: :class:`~ddp_hooks.SparsifyState`).
 3. Keep the rest: ``e = p - c``, i.e. the selected positions of the residual
    are cleared (or keep the rounding error when the wire dtype is half).
 4. Exchange: AllReduce of the values when every rank chose the same positions;
@@ -88,8 +91,6 @@ def _dense_warmup_term(state: SparsifyState, bucket: dist.GradBucket, layout) ->
     send = p
     if state.momentum > 0.0:
         send = _bucket_velocity(state, bucket, layout).mul_(state.momentum).add_(p)
-    if send is buffer:
-        return
     buffer.copy_(send)
     if state.error_feedback:  # the residual keeps only what rounding to the bucket's dtype lost
         if send is not p:

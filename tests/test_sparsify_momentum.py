@@ -85,6 +85,11 @@ def test_check_optimizer_warns_about_the_combination_known_to_diverge(method):
         check_optimizer(SparsifyState(method=method, aggregation=aggregation), _sgd(0.9))
 
 
+def test_check_optimizer_warns_when_weight_decay_skips_the_hooks_momentum():
+    with pytest.warns(UserWarning, match="the decay skips the momentum, unlike torch.optim.SGD"):
+        check_optimizer(SparsifyState(momentum=0.9), _sgd(0.0, WD))
+
+
 def test_check_optimizer_accepts_the_safe_pairings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -140,8 +145,9 @@ def test_random_block_with_momentum_sgd_converges_where_optimizer_momentum_diver
     res = run_distributed(_converge, 2, timeout=120)[0]
     dense_loss, dense_acc, _ = res["dense"]
     assert dense_loss < 0.2 and dense_acc > 0.93, res["dense"]
-    loss, acc, _ = res["build_sparsify_sgd"]
+    loss, acc, built_warnings = res["build_sparsify_sgd"]
     assert loss < 0.5 and acc > 0.9, res["build_sparsify_sgd"]
+    assert not any("diverge" in w or "twice" in w for w in built_warnings), built_warnings
     # the old pairing: the optimizer multiplies each stale burst by 1/(1 - 0.9), and the loss explodes
     old_loss, _, old_warnings = res["optimizer momentum"]
     assert not old_loss < 5.0, res["optimizer momentum"]
