@@ -57,7 +57,7 @@ def momentum_in_hook(method: str, error_feedback: bool, momentum: float) -> bool
 
     Top-k keeps the optimizer's momentum: its large coordinates leave at
     once, so no stale burst builds up, and in ``bench/bench_convergence.py``
-    it trained at least as well that way.
+    it trained as well that way at densities 0.1 and 0.05, and better at 0.01.
     """
     return method in RANDOM_METHODS and bool(error_feedback) and momentum > 0.0
 
@@ -103,8 +103,9 @@ def check_optimizer(state: SparsifyState, optimizer: torch.optim.Optimizer, para
     """Refuse or warn about an optimizer paired with ``state`` the wrong way.
 
     Looks at the parameter groups holding a parameter whose ``id`` is in
-    ``param_ids`` (default: every group) and reads their ``momentum`` and ``weight_decay`` entries
-    (optimizers without a ``momentum`` entry, e.g. Adam, are not judged).
+    ``param_ids`` (default: every group) and reads their ``momentum`` and
+    ``weight_decay`` entries (optimizers without a ``momentum`` entry, e.g.
+    Adam, are not judged).
 
     Raises:
         ValueError: the hook applies momentum (or weight decay) and the

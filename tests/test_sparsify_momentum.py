@@ -59,6 +59,16 @@ def test_momentum_options_travel_exactly_through_a_checkpoint(tmp_path):
         SparsifyState(method="randomk", density=0.2, momentum=0.8, weight_decay=5e-4).load_state_dict(sd)
 
 
+def test_pickling_keeps_momentum_options_and_velocities():
+    import pickle
+
+    st = SparsifyState(method="randomk", momentum=0.9, weight_decay=WD)
+    st.velocities.load({0: torch.ones(3)})
+    back = pickle.loads(pickle.dumps(st))
+    assert (back.momentum, back.weight_decay) == (0.9, WD)
+    assert torch.equal(back.state_dict()["velocities"][0], torch.ones(3))
+
+
 def test_a_state_saved_before_the_momentum_option_loads_as_momentum_zero():
     sd = SparsifyState(density=0.1).state_dict()
     del sd["config"]["momentum_bits"], sd["config"]["weight_decay_bits"], sd["velocities"]
