@@ -4,6 +4,8 @@ Sparsification with error feedback (Eghlidi & Jaggi, 2020)::
 
     from ddp_hooks import SparsifyState, sparsify_hook
     ddp_model.register_comm_hook(SparsifyState(method="random_block", density=0.01), sparsify_hook)
+    # with momentum SGD, build the pair (momentum and weight decay then run in the hook):
+    state, opt = build_sparsify_sgd(ddp_model, lr=0.1, momentum=0.9, weight_decay=5e-4, density=0.01)
 
 Local AdaAlter (Xie, Koyejo, Gupta, Lin, 2019)::
 
@@ -19,6 +21,7 @@ from .baselines import build_local_sgd, build_sync_adagrad
 from .local_sgd import LocalSGDState, local_sgd_hook
 from .schedule import LocalAdaAlterSchedule
 from .sparsify import sparsify_hook
+from .sparsify_sgd import build_sparsify_sgd, check_optimizer
 from .sparsify_state import SparsifyState
 
 __version__ = "0.1.0"
@@ -26,6 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     "SparsifyState",
     "sparsify_hook",
+    "build_sparsify_sgd",
+    "check_optimizer",
     "LocalAdaAlter",
     "build_local_adaalter",
     "AdaAlterAverager",

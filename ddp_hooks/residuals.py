@@ -1,4 +1,4 @@
-"""Error-feedback residuals, stored flat per DDP bucket and keyed by parameter.
+"""Error-feedback residuals (and momentum velocities), stored flat per DDP bucket and keyed by parameter.
 
 Each bucket's residual is one float32 vector laid out like the bucket's flat
 gradient buffer, on the same device, so compensation is a single in-place
@@ -13,6 +13,8 @@ rebuild; see PyTorch issues 48670 and 48867).
 
 Residuals are float32 even when gradients are fp16/bf16: the residual
 accumulates many small leftovers that a half-precision vector would round away.
+:class:`~ddp_hooks.SparsifyState` keeps its per-rank momentum velocities in a
+second store of the same kind, so they follow their parameters alike.
 
 Example::
 
@@ -70,6 +72,10 @@ class ResidualStore:
         self._flat[bucket_index] = flat
         self._layout[bucket_index] = layout
         return flat
+
+    def flat(self, bucket_index: int) -> torch.Tensor:
+        """The current flat vector of a bucket (after :meth:`bucket_residual` placed it this step)."""
+        return self._flat[bucket_index]
 
     def drop_buckets_after(self, last_index: int) -> None:
         """Forget bucket indices past the last one (left over from a rebuild)."""

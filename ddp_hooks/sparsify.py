@@ -6,9 +6,12 @@ Jaggi, "Sparse Communication for Training Deep Networks" (2020,
 arXiv 2009.09271):
 
 1. Compensate: ``p = g + e`` in place in the float32 residual of the bucket
-   (one pass over the gradient, the floor of any error-feedback method).
+   (one pass over the gradient, the floor of any error-feedback method);
+   with ``weight_decay`` the gradient term is ``g + wd * x``.
 2. Select ``k = ceil(density * n)`` positions of ``p`` per unit
-   (:mod:`ddp_hooks.selection`).
+   (:mod:`ddp_hooks.selection`). With ``momentum`` m, the rank's velocity
+   steps at those positions only, ``w = m w + p``, and ``w`` is sent there
+   (momentum in sends, not steps: :class:`~ddp_hooks.SparsifyState`).
 3. Keep the rest: ``e = p - c``, i.e. the selected positions of the residual
    are cleared (or keep the rounding error when the wire dtype is half).
 4. Exchange: AllReduce of the values when every rank chose the same positions;
@@ -38,7 +41,7 @@ Example (one process, so the average is the rank's own sparse gradient)::
     >>> dist.destroy_process_group()
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,21 +54,72 @@ from .sparsify_state import SparsifyState
 __all__ = ["sparsify_hook"]
 
 
-def _compensated(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
-    """``p = g + e`` as float32: the residual itself, updated in place, under error feedback."""
+def _gradient_term(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
+    """The bucket's gradient, plus ``weight_decay * x`` (as a float32 copy) when the hook applies weight decay."""
     buffer = bucket.buffer()
+    if state.weight_decay == 0.0:
+        return buffer
+    term = buffer.to(torch.float32, copy=True)
+    for param, (_, offset, n) in zip(bucket.parameters(), layout):
+        term[offset : offset + n].add_(param.detach().reshape(-1), alpha=state.weight_decay)
+    return term
+
+
+def _compensated(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
+    """``p = g + e`` as float32 (``g``: :func:`_gradient_term`): the residual itself, updated in place, under error feedback."""
+    term = _gradient_term(state, bucket, layout)
     if state.error_feedback:
+        buffer = bucket.buffer()
         residual = state.residuals.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
-        return residual.add_(buffer)
-    return buffer if buffer.dtype == torch.float32 else buffer.float()
+        return residual.add_(term)
+    return term if term.dtype == torch.float32 else term.float()
 
 
-def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], target: torch.Tensor, step: int):
-    """Select, update the residual, launch the collective; the future writes the mean into ``target``."""
+def _bucket_velocity(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
+    buffer = bucket.buffer()
+    return state.velocities.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
+
+
+def _dense_warmup_term(state: SparsifyState, bucket: dist.GradBucket, layout) -> None:
+    """During warm-up with momentum or weight decay in the hook: send everything (the optimizer has neither).
+
+    Every position is sent, so with momentum the velocity steps everywhere:
+    ``w = m w + p``, and ``w`` is what the bucket carries.
+    """
+    buffer = bucket.buffer()
+    p = _compensated(state, bucket, layout)
+    send = p
+    if state.momentum > 0.0:
+        send = _bucket_velocity(state, bucket, layout).mul_(state.momentum).add_(p)
+    buffer.copy_(send)
+    if state.error_feedback:  # the residual keeps only what rounding to the bucket's dtype lost
+        if send is not p:
+            p.copy_(send)
+        p.sub_(buffer)
+
+
+def _sent_values(state: SparsifyState, p: torch.Tensor, velocity: Optional[torch.Tensor], positions: torch.Tensor):
+    """What leaves at ``positions``: ``p`` there, or with momentum the velocity stepped there, ``w = m w + p``.
+
+    The velocity moves only where something is sent: a coordinate that stays
+    behind keeps its velocity for its next send, so momentum counts sends, not
+    steps, and a burst that gathered many steps of gradient is not multiplied
+    by ``1 / (1 - m)`` again at every step it waited.
+    """
+    values = p.index_select(0, positions)
+    if velocity is not None:
+        values.add_(velocity.index_select(0, positions), alpha=state.momentum)
+        velocity.index_copy_(0, positions, values)
+    return values
+
+
+def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], target: torch.Tensor, step: int,
+              velocity: Optional[torch.Tensor] = None):
+    """Select, update the residual (and velocity), launch the collective; the future writes the mean into ``target``."""
     group, world, rank = state._group, state._world_size, state._rank
     shared = state.aggregation == "allreduce"
     positions = select(state.method, p, units, state.density, state.seed, step, SHARED if shared else rank)
-    values = p.index_select(0, positions)
+    values = _sent_values(state, p, velocity, positions)
     wire = values.to(target.dtype)
     if state.error_feedback:
         if wire.dtype == torch.float32:
@@ -128,7 +182,11 @@ def _global_exchange(state: SparsifyState, step: int):
     joined = torch.cat([p for _, _, p, _ in entries])
     target = torch.empty(joined.numel(), dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
                          device=joined.device)
-    fut = _exchange(state, joined, [Unit(0, 0, joined.numel())], target, step)
+    velocities = [state.velocities.flat(index) for index, _, _, _ in entries] if state.momentum > 0.0 else []
+    joined_velocity = torch.cat(velocities) if velocities else None
+    fut = _exchange(state, joined, [Unit(0, 0, joined.numel())], target, step, joined_velocity)
+    for velocity, chunk in zip(velocities, joined_velocity.split(sizes) if velocities else ()):
+        velocity.copy_(chunk)
     if state.error_feedback:  # the residual update happened in `joined`: copy it back
         for (_, _, p, _), chunk in zip(entries, joined.split(sizes)):
             p.copy_(chunk)
@@ -177,12 +235,15 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     if state.step < state.warmup_steps:
         n = buffer.numel()
         state._stats.add(n, n * buffer.element_size(), n, n * buffer.element_size())
+        if state.momentum > 0.0 or state.weight_decay > 0.0:
+            _dense_warmup_term(state, bucket, layout)
         fut = allreduce_mean(buffer, state._group, state._world_size)
         if last:
             state._end_step(bucket.index(), compressed=False)
         return fut
     step = state.step
     p = _compensated(state, bucket, layout)
+    velocity = _bucket_velocity(state, bucket, layout) if state.momentum > 0.0 else None
     if state.scope == "global":
         pending: torch.futures.Future = torch.futures.Future()
         state._pending_global.append((bucket.index(), buffer, p, pending))
@@ -194,7 +255,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout]
         else:
             units = [Unit(bucket.index(), 0, buffer.numel())]
-        fut = _exchange(state, p, units, buffer, step)
+        fut = _exchange(state, p, units, buffer, step, velocity)
     if last:
         state._end_step(bucket.index(), compressed=True)
     return fut

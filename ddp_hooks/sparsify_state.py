@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import struct
 import warnings
 from typing import Any, Dict, Optional, Tuple
 
@@ -20,6 +21,19 @@ SCOPES = ("layer", "bucket", "global")
 AGGREGATIONS = ("allreduce", "allgather")
 _STATE_VERSION = 1
 _INT64_MAX = (1 << 63) - 1
+
+
+def _float_bits(x: float) -> int:
+    """The IEEE-754 bits of a double as a signed int64 (fits a checkpoint's ints and an int64 tensor)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+# Options added after version 1 states were first saved, with the values those states imply.
+_CONFIG_ADDED_LATER = {"momentum_bits": _float_bits(0.0), "weight_decay_bits": _float_bits(0.0)}
 
 
 class SparsifyState:
@@ -47,12 +61,53 @@ class SparsifyState:
         error_feedback (bool): keep what was not sent and add it next step.
         warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps.
         seed (int): seed of the random selectors, in [0, 2**63 - 1].
+        momentum (float): in [0, 1). 0 (the default) leaves momentum to the
+            optimizer. Above 0 the hook applies heavy-ball momentum itself,
+            before the exchange (momentum correction, after Lin et al., "Deep
+            Gradient Compression", ICLR 2018, arXiv 1712.01887), with a
+            float32 velocity per rank that steps only where the rank sends
+            (below). Pair it with ``torch.optim.SGD(momentum=0,
+            weight_decay=0)``; :func:`~ddp_hooks.build_sparsify_sgd` builds
+            the pair, and an optimizer that adds its own momentum is refused
+            at its first step. Needs ``error_feedback=True``.
+        weight_decay (float): >= 0 (0). Adds ``weight_decay * x`` to each
+            rank's gradient in the hook, before error feedback and momentum,
+            as ``torch.optim.SGD`` adds it before its momentum; with
+            ``momentum`` > 0 use it instead of the optimizer's.
 
     The error-feedback recursion (Eghlidi & Jaggi 2020, arXiv 2009.09271;
     residual ``e`` starts at 0 and is kept per rank in float32):
 
     .. math:: p_t = g_t + e_t,\quad c_t = C_k(p_t),\quad e_{t+1} = p_t - c_t,
               \quad \hat g_t = \tfrac{1}{W}\textstyle\sum_{r} c_t^{(r)}
+
+    With ``momentum`` m > 0 (``g_t`` includes ``wd * x_t``), each rank also
+    keeps a velocity ``w`` (starts at 0) that moves only at the positions
+    ``S_t`` it sends, and what it sends there is the stepped velocity:
+
+    .. math:: p_t = g_t + e_t,\quad
+              w_{t+1}[S_t] = m\,w_t[S_t] + p_t[S_t],\quad
+              c_t = w_{t+1}[S_t] \text{ on } S_t,\quad
+              e_{t+1} = p_t \text{ off } S_t,\ 0 \text{ on } S_t
+
+    and ``w`` keeps its value off ``S_t``. So every gradient reaches the model
+    exactly once, plus momentum's carry at each send:
+    :math:`\sum_{s\le t} c_s + e_{t+1} = \sum_{s\le t} g_s +
+    m \sum_{s\le t} w_s[S_s]` (per rank; the model gets the mean over
+    ranks). At density 1 every position is sent at every step and this is
+    momentum SGD (torch.optim.SGD with ``momentum=m, weight_decay=wd``).
+    Below it momentum counts *sends*, not steps: a coordinate that waited
+    ``D`` steps leaves with its ``D`` gradients plus ``m`` times its velocity
+    from its last send. Why not the optimizer's momentum, or a velocity
+    stepped every step (DGC's form): with a random selector a coordinate
+    leaves about once every ``1 / density`` steps carrying that many
+    gradients, and a velocity that steps every step multiplies that stale
+    burst by ``1 / (1 - m)``; at lr 0.1, m 0.9 the burst is 20 times a dense
+    step at density 0.05 and 100 at 0.01, and training diverges, as it does
+    without momentum at lr 1.0 (``bench/bench_convergence.py``). In send
+    time the stale burst is a heavy-ball step on ``D`` gradients, stable up to
+    ``lr * D * curvature < 2 (1 + m)``, while a steady gradient still gains
+    the full ``1 / (1 - m)`` over successive sends.
 
     Example::
 
@@ -69,14 +124,16 @@ class SparsifyState:
     __slots__ = (
         # options, fixed at construction
         "process_group", "method", "density", "scope", "aggregation", "error_feedback",
-        "warmup_steps", "seed",
+        "warmup_steps", "seed", "momentum", "weight_decay",
         # the step counter: advances once per backward, on the last bucket
         "step",
-        # error feedback and counters
-        "residuals", "_stats",
+        # error feedback, momentum correction and counters
+        "residuals", "velocities", "_stats",
         # bound lazily at the first hook call
         "_group", "_rank", "_world_size", "_checked",
         "_param_keys", "_layouts", "_pending_global", "_loaded_meta",
+        # the optimizer check installed at the first hook call holds only a weak reference
+        "__weakref__",
     )
 
     def __init__(
@@ -89,6 +146,8 @@ class SparsifyState:
         error_feedback: bool = True,
         warmup_steps: int = 0,
         seed: int = 0,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
     ) -> None:
         check_process_group("process_group", process_group)
         self.method = check_choice("method", method, METHODS, "the coordinate selector")
@@ -101,6 +160,15 @@ class SparsifyState:
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "the number of dense steps before sparsifying")
         self.seed = check_int("seed", seed, 0, "it seeds the random selectors", maximum=_INT64_MAX)
+        self.momentum = check_float("momentum", momentum, 0.0, 1.0, high_open=True,
+                                    reason="it is the factor of the velocity kept from one step to the next")
+        self.weight_decay = check_float("weight_decay", weight_decay, 0.0, float("inf"), high_open=True,
+                                        reason="it is the L2 penalty folded into each rank's gradient")
+        if self.momentum > 0.0 and not self.error_feedback:
+            raise ValueError(
+                f"`momentum`={self.momentum!r} needs `error_feedback`=True: the hook's velocity is what error "
+                "feedback accumulates; without error feedback keep momentum in the optimizer (momentum=0 here)"
+            )
         if self.method == "topk" and self.aggregation == "allreduce":
             raise ValueError(
                 "`aggregation`='allreduce' cannot be used with `method`='topk': each rank's top-k entries sit "
@@ -112,6 +180,7 @@ class SparsifyState:
         self.process_group = process_group
         self.step = 0
         self.residuals = ResidualStore()
+        self.velocities = ResidualStore()  # per rank, like the residuals; used when momentum > 0
         self._stats = CommStats()
         self._group = None
         self._rank = 0
@@ -132,13 +201,17 @@ class SparsifyState:
             "error_feedback": int(self.error_feedback),
             "warmup_steps": self.warmup_steps,
             "seed": self.seed,
+            # exact: the float's IEEE-754 bits, so a resume cannot round momentum or weight decay
+            "momentum_bits": _float_bits(self.momentum),
+            "weight_decay_bits": _float_bits(self.weight_decay),
         }
 
     def _describe(self, ints: Dict[str, int]) -> str:
         return (f"method={METHODS[ints['method']]!r}, density={ints['density_e9'] / 1e9:g}, "
                 f"scope={SCOPES[ints['scope']]!r}, aggregation={AGGREGATIONS[ints['aggregation']]!r}, "
                 f"error_feedback={bool(ints['error_feedback'])}, warmup_steps={ints['warmup_steps']}, "
-                f"seed={ints['seed']}")
+                f"seed={ints['seed']}, momentum={_bits_float(ints['momentum_bits']):g}, "
+                f"weight_decay={_bits_float(ints['weight_decay_bits']):g}")
 
     # ----- binding to the process group, at the first hook call -----
     def _bind(self, bucket: dist.GradBucket) -> None:
@@ -159,6 +232,9 @@ class SparsifyState:
         self._check_same_config_on_all_ranks(device)
         self._check_loaded_meta()
         self._checked = True
+        from .sparsify_sgd import watch_first_step  # (imports this module)
+
+        watch_first_step(self)
         if self._rank == 0:
             logger.info("sparsify_hook: %s on %d ranks", self._describe(self._config_ints()), self._world_size)
 
@@ -217,13 +293,15 @@ class SparsifyState:
         self._stats.steps += 1
         self._stats.compressed_steps += int(compressed)
         self.residuals.drop_buckets_after(last_index)
+        self.velocities.drop_buckets_after(last_index)
         for index in [i for i in self._layouts if i > last_index]:
             del self._layouts[index]
-        if self.residuals.pending_keys:
-            raise ValueError(
-                f"the loaded hook state holds residuals for parameters {self.residuals.pending_keys} that this "
-                "model does not have: the state was saved from a different model"
-            )
+        for what, store in (("residuals", self.residuals), ("velocities", self.velocities)):
+            if store.pending_keys:
+                raise ValueError(
+                    f"the loaded hook state holds {what} for parameters {store.pending_keys} that this "
+                    "model does not have: the state was saved from a different model"
+                )
 
     # ----- public API -----
     def stats(self) -> Dict[str, float]:
@@ -231,7 +309,7 @@ class SparsifyState:
         return self._stats.as_dict()
 
     def state_dict(self) -> Dict[str, Any]:
-        """Step, residuals (this rank's), counters and options; tensors and ints only.
+        """Step, residuals and velocities (this rank's), counters and options; tensors and ints only.
 
         Loads with ``torch.load(..., weights_only=True)``. Residuals differ per
         rank: every rank saves and loads its own.
@@ -245,6 +323,7 @@ class SparsifyState:
             "rank": self._rank if self._checked else (self._loaded_meta or {}).get("rank", 0),
             "world_size": self._world_size if self._checked else (self._loaded_meta or {}).get("world_size", 1),
             "residuals": self.residuals.state() if self.error_feedback else {},
+            "velocities": self.velocities.state() if self.momentum > 0.0 else {},
             "stats": self._stats.state_dict(),
         }
 
@@ -252,10 +331,12 @@ class SparsifyState:
         """Restore a :meth:`state_dict` saved by this rank with the same options.
 
         Refused with ``ValueError``: other options (method, density, scope,
-        aggregation, error feedback, warm-up, seed), and, at the first step,
-        another world size, another rank or another model's residuals.
-        With ``residuals=False`` the residuals are dropped (they restart at 0)
-        and the world size may differ; the step and counters are kept.
+        aggregation, error feedback, warm-up, seed, momentum, weight decay),
+        and, at the first step, another world size, another rank or another
+        model's residuals. With ``residuals=False`` the residuals and
+        velocities are dropped (they restart at 0) and the world size may
+        differ; the step and counters are kept. A state saved before the
+        ``momentum`` option existed loads as ``momentum=0, weight_decay=0``.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"`state_dict` must be a dict from SparsifyState.state_dict(), got {type(state_dict).__name__}")
@@ -264,7 +345,7 @@ class SparsifyState:
             raise ValueError(f"`state_dict` lacks {sorted(missing)}: it is not a SparsifyState.state_dict()")
         if state_dict["version"] != _STATE_VERSION:
             raise ValueError(f"hook state version {state_dict['version']!r} is not supported (expected {_STATE_VERSION})")
-        saved, mine = state_dict["config"], self._config_ints()
+        saved, mine = {**_CONFIG_ADDED_LATER, **state_dict["config"]}, self._config_ints()
         if saved != mine:
             raise ValueError(
                 f"the hook state was saved with {self._describe(saved)} but this SparsifyState has "
@@ -274,6 +355,7 @@ class SparsifyState:
         self.step = state_dict["step"]
         self._stats.load_state_dict(state_dict["stats"])
         self.residuals.load(state_dict["residuals"] if residuals else {})
+        self.velocities.load(state_dict.get("velocities", {}) if residuals else {})
         self._layouts.clear()
         self._loaded_meta = {"rank": state_dict["rank"], "world_size": state_dict["world_size"]} if residuals else None
         if self._checked:
@@ -284,7 +366,8 @@ class SparsifyState:
         logger.warning("SparsifyState: the process group is not serialisable and is excluded from the pickle")
         return {"options": {"method": self.method, "density": self.density, "scope": self.scope,
                             "aggregation": self.aggregation, "error_feedback": self.error_feedback,
-                            "warmup_steps": self.warmup_steps, "seed": self.seed},
+                            "warmup_steps": self.warmup_steps, "seed": self.seed,
+                            "momentum": self.momentum, "weight_decay": self.weight_decay},
                 "state": self.state_dict()}
 
     def __setstate__(self, blob) -> None:

@@ -117,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step schedule: epochs at which the rate is multiplied by --lr-decay "
                         "(default: half and three quarters of --epochs)")
     g.add_argument("--lr-decay", type=float, default=0.1, help="step schedule: factor per milestone (default: 0.1)")
-    g.add_argument("--momentum", type=float, default=None, help="sgd: momentum (default: 0.9)")
+    g.add_argument("--momentum", type=float, default=None,
+                   help="sgd: momentum (default: 0.9); with --hook sparsify, a random --method and error feedback, "
+                        "momentum and --weight-decay run in the hook and SGD gets neither (random selectors diverge "
+                        "under SGD's own momentum)")
     g.add_argument("--weight-decay", type=float, default=5e-4, help="L2 weight decay (default: 5e-4)")
     g.add_argument("--eps", type=float, default=None,
                    help="adagrad/local_adaalter: epsilon (default: 1e-10 for adagrad, 1.0 for local_adaalter)")

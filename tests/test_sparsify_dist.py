@@ -164,11 +164,15 @@ def test_density_one_equals_the_allreduce_hook(world_size):
             assert diff < 1e-6, (combo, diff)
 
 
-def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, n=3):
+def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, momentum_in_hook=False, n=3):
     def build():
         model = DDP(_model(), bucket_cap_mb=0.002)
-        st = SparsifyState(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=3,
-                           warmup_steps=warmup)
+        options = dict(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=3, warmup_steps=warmup)
+        if momentum_in_hook:  # velocities in the hook state, plain SGD
+            st = SparsifyState(momentum=0.9, weight_decay=5e-4, **options)
+            model.register_comm_hook(st, sparsify_hook)
+            return model, torch.optim.SGD(model.parameters(), lr=0.05), st
+        st = SparsifyState(**options)
         model.register_comm_hook(st, sparsify_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), st
 
@@ -186,6 +190,7 @@ def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, n=3):
     run(model, opt, 0, n)
     path = f"{tmp}/ckpt_rank{rank}.pt"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": st.state_dict()}, path)
+    assert bool(st.state_dict()["velocities"]) == momentum_in_hook
     model, opt, st = build()
     ck = torch.load(path, weights_only=True)
     model.load_state_dict(ck["model"])
@@ -197,13 +202,17 @@ def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, n=3):
     return torch.equal(straight, resumed)
 
 
-@pytest.mark.parametrize("method,scope,aggregation,warmup", [
-    ("random_block", "layer", "allreduce", 0), ("randomk", "layer", "allgather", 0),
-    ("topk", "layer", "allgather", 0), ("topk", "global", "allgather", 0),
-    ("random_block", "layer", "allreduce", 2),  # keys must not depend on when compression starts
+@pytest.mark.parametrize("method,scope,aggregation,warmup,momentum_in_hook", [
+    ("random_block", "layer", "allreduce", 0, False), ("randomk", "layer", "allgather", 0, False),
+    ("topk", "layer", "allgather", 0, False), ("topk", "global", "allgather", 0, False),
+    ("random_block", "layer", "allreduce", 2, False),  # keys must not depend on when compression starts
+    # velocities (SparsifyState(momentum=...)) follow the same path as residuals
+    ("randomk", "layer", "allgather", 0, True), ("random_block", "layer", "allreduce", 2, True),
+    ("topk", "global", "allgather", 0, True),
 ])
-def test_checkpoint_resume_is_exact(tmp_path, method, scope, aggregation, warmup):
-    assert run_distributed(_resume, 2, str(tmp_path), method, scope, aggregation, warmup) == [True, True]
+def test_checkpoint_resume_is_exact(tmp_path, method, scope, aggregation, warmup, momentum_in_hook):
+    assert run_distributed(_resume, 2, str(tmp_path), method, scope, aggregation, warmup,
+                           momentum_in_hook) == [True, True]
 
 
 def _mismatch(rank, world):
