@@ -6,7 +6,8 @@ All of them average by dividing *before* the collective, as PyTorch's
 
 from __future__ import annotations
 
-from typing import List
+import struct
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -61,3 +62,54 @@ def allgather_many(tensors: List[torch.Tensor], group, world_size: int) -> torch
         return list(rows.split(sizes, dim=1))
 
     return allgather(packed, group, world_size).then(unpack)
+
+
+Setting = Union[int, float, bool]
+
+
+def _to_int64(value: Setting) -> int:
+    if isinstance(value, float):  # the exact bits, so 0.1 and 0.1000001 differ
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return int(value)
+
+
+def _from_int64(code: int, like: Setting) -> Setting:
+    if isinstance(like, float):
+        return struct.unpack("<d", struct.pack("<q", code))[0]
+    return bool(code) if isinstance(like, bool) else code
+
+
+def check_same_on_all_ranks(
+    settings: Dict[str, Setting],
+    group,
+    world_size: int,
+    device: torch.device,
+    what: str,
+    why: str,
+    describe: Optional[Callable[[Dict[str, Setting]], str]] = None,
+) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks hold equal ``settings``.
+
+    One small blocking ``all_gather`` of an int64 vector (floats travel as
+    their bit patterns). Call it at the same point on every rank, before the
+    first collective whose shape or meaning depends on the settings, so that a
+    mismatch ends in an error instead of a hang or averaged garbage. Every rank
+    sees the same gathered rows, so every rank raises alike.
+
+    Example (one process: nothing to compare)::
+
+        >>> check_same_on_all_ranks({"period": 4}, None, 1, torch.device("cpu"), "options", "")
+    """
+    if world_size == 1:
+        return
+    names, values = list(settings), list(settings.values())
+    mine = torch.tensor([_to_int64(v) for v in values], dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(rows, mine, group=group)
+    describe = describe or (lambda s: ", ".join(f"{k}={v!r}" for k, v in s.items()))
+    first = rows[0].tolist()
+    for r, row in enumerate(rows):
+        if not torch.equal(row, rows[0]):
+            decode = lambda codes: {k: _from_int64(c, v) for k, c, v in zip(names, codes, values)}  # noqa: E731
+            raise ValueError(f"ranks were built with different {what}: rank 0 has {describe(decode(first))} but "
+                             f"rank {r} has {describe(decode(row.tolist()))}; {why}")

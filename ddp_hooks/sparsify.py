@@ -16,9 +16,39 @@ arXiv 2009.09271):
 5. Write the average over ranks into ``bucket.buffer()`` in place (zeros
    elsewhere), as PyTorch's own hooks do.
 
-The step counter advances on the last bucket of each backward; with
-``scope="global"`` every bucket's future is completed when the last bucket's
-exchange finishes (DDP waits for all of them only at the end of backward).
+Steps 1 and 3 happen at the end of the step, when every bucket's exchange
+has finished (DDP waits for all buckets' futures only at the end of backward
+anyway): each bucket's exchange starts as soon as DDP hands the bucket over,
+but its residual is updated and its result written only once the whole step
+is known to be finite. Until then the bucket buffer still holds ``g``, so no
+copy of the residual is needed to undo anything. The step counter advances on
+the last bucket of each backward.
+
+Non-finite gradients (an AMP overflow, a NaN): while compensating, each
+bucket's per-parameter minimum and maximum are taken (one read pass of the
+gradient, no host sync; NaN and inf propagate into them). A rank whose bucket
+holds inf or NaN sends NaN in place of its values, so every rank receives it,
+whichever positions it was at. At the end of the step, if any exchange of the
+step carried a non-finite value, the step is discarded on every rank alike:
+the outputs hold NaN (``GradScaler`` skips the step on every rank), and the
+gradient is zeroed before it is folded into the residuals
+(:func:`_update_states`, the one place where per-rank states absorb a
+gradient), which therefore keep exactly their values from before the step;
+no inf or NaN can enter them. On CPU the verdict is read on the host; on
+other devices a broadcast ``masked_fill_`` keeps the hook free of host syncs.
+
+Parameters without a gradient: DDP with ``find_unused_parameters=True`` (or
+``static_graph=True``) fills the slot of an unused parameter with zeros and,
+when no rank used it, does not copy the bucket's result into its ``.grad``.
+A rank therefore sends nothing (zeros) for a parameter whose gradient is all
+zero at this step (min = max = 0) and keeps that parameter's residual for a
+later step; otherwise the residual sent for it would be lost.
+
+The loss scale: with ``SparsifyState(grad_scaler=scaler)`` the residuals are
+kept unscaled: ``p = g + S e`` (``S`` read from the scaler at the first
+bucket, as a tensor) and ``e <- e + g / S``. Powers of two (GradScaler's
+defaults) make this exact, so training with the scaler follows training
+without it.
 
 Example (one process, so the average is the rank's own sparse gradient)::
 
@@ -38,72 +68,102 @@ Example (one process, so the average is the rank's own sparse gradient)::
     >>> dist.destroy_process_group()
 """
 
-from typing import List, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ._validate import check_hook_call
 from .collectives import allgather, allreduce_mean, allreduce_sum
+from .residuals import GLOBAL_BUCKET
 from .seeding import SHARED
 from .selection import Unit, select
 from .sparsify_state import SparsifyState
 
 __all__ = ["sparsify_hook"]
 
-
-def _compensated(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
-    """``p = g + e`` as float32: the residual itself, updated in place, under error feedback."""
-    buffer = bucket.buffer()
-    if state.error_feedback:
-        residual = state.residuals.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
-        return residual.add_(buffer)
-    return buffer if buffer.dtype == torch.float32 else buffer.float()
+# What an exchange yields once it has finished: whether any rank sent a
+# non-finite value, and how to write the average into a target vector.
+Result = Tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 
 
-def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], target: torch.Tensor, step: int):
-    """Select, update the residual, launch the collective; the future writes the mean into ``target``."""
-    group, world, rank = state._group, state._world_size, state._rank
-    shared = state.aggregation == "allreduce"
-    positions = select(state.method, p, units, state.density, state.seed, step, SHARED if shared else rank)
-    values = p[positions]
-    wire = values.to(target.dtype)
-    if state.error_feedback:
-        if wire.dtype == torch.float32:
-            p.index_fill_(0, positions, 0.0)
-        else:  # what rounding to the wire dtype lost stays in the residual
-            p.index_put_((positions,), values - wire.float())
-    wire.div_(world)  # divide before the collective, as PyTorch's allreduce_hook does
-    k = positions.numel()
-    sent = k * wire.element_size()
+class _Flight:
+    """One exchange in flight, and what the end of the step needs to apply it."""
 
-    if shared:
-        state._stats.add(k, sent, target.numel(), target.numel() * target.element_size())
+    __slots__ = ("grad", "residual", "positions", "kept", "hold", "future", "outputs")
 
-        def write_shared(fut):
-            target.zero_()
-            target.index_copy_(0, positions, fut.value())
-            return target
+    def __init__(self, grad, residual, positions, kept, hold, future, outputs=None):
+        self.grad = grad  # the gradient (the bucket buffer, or the joined buckets); receives the result
+        self.residual = residual  # float32 residual laid out like grad, or None without error feedback
+        self.positions = positions  # this rank's sent positions
+        self.kept = kept  # what stays in the residual at `positions` (scaled units; None: 0)
+        self.hold = hold  # positions of parameters without a gradient this step (nothing sent, residual kept)
+        self.future = future  # -> Result
+        self.outputs = outputs  # global scope: the bucket buffers that receive `grad`'s chunks
 
-        return allreduce_sum(wire, group, world).then(write_shared)
 
+def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: Optional[bool] = None) -> None:
+    """``tensor.fill_(value)`` if the 0-dim bool ``flag`` is set.
+
+    On CPU the flag is read on the host (free there); on other devices a
+    broadcast ``masked_fill_`` avoids a host sync, which would stall the
+    backward pipeline.
+    """
+    if sync_free is None:
+        sync_free = flag.device.type != "cpu"
+    if sync_free:
+        tensor.masked_fill_(flag, value)
+    elif flag:
+        tensor.fill_(value)
+
+
+def _extremes(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-parameter ``(min, max)`` of a bucket's gradients, shape ``(2, P)``, float32.
+
+    One read pass, no host sync. NaN and inf propagate into the extremes, so
+    they reveal a non-finite gradient; ``min == max == 0`` marks a parameter
+    without a gradient at this step (DDP zero-fills unused parameters).
+    """
+    lows, highs = [], []
+    for g in gradients:
+        lo, hi = torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(()))
+        lows.append(lo)
+        highs.append(hi)
+    return torch.stack([torch.stack(lows), torch.stack(highs)]).float()
+
+
+def _compensated(grad: torch.Tensor, residual: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``p = g + S e`` in float32, whole or at ``positions`` (``S`` = 1 without a scaler; ``p = g`` without e)."""
+    g = grad if positions is None else grad[positions]
+    if residual is None:
+        return g.float()
+    e = residual if positions is None else residual[positions]
+    return torch.add(e, g) if scale is None else torch.addcmul(g.float(), e, scale)
+
+
+def _shared_result(positions: torch.Tensor, received: torch.Tensor) -> Result:
+    def write(target):
+        target.zero_()
+        target.index_copy_(0, positions, received)
+
+    return ~torch.isfinite(received).all(), write
+
+
+def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Tensor, value_dtype: torch.dtype,
+                     index_dtype: torch.dtype, rows: torch.Tensor) -> Result:
+    world, rank = state._world_size, state._rank
     if state.method == "topk":
-        index_dtype = torch.int32 if target.numel() < 2**31 else torch.int64
-        payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
-        sent += k * torch.empty((), dtype=index_dtype).element_size()
-    else:  # random positions are recomputed from (seed, step, unit, rank): values only
-        payload = wire
-    state._stats.add(k, sent, target.numel(), target.numel() * target.element_size())
+        value_bytes = positions.numel() * value_dtype.itemsize
+        values = rows[:, :value_bytes].view(value_dtype)
+        # clone(): a row's index bytes need not start at a multiple of the index size
+        parts = [(rows[r, value_bytes:].clone().view(index_dtype).long(), values[r]) for r in range(world)]
+    else:  # each rank's positions are recomputed from (seed, step, unit, rank)
+        values = rows
+        parts = [(positions if r == rank else select(state.method, rows, units, state.density, state.seed, step, r),
+                  rows[r]) for r in range(world)]
 
-    def write_gathered(fut):
-        rows = fut.value()
-        if state.method == "topk":
-            value_bytes = k * wire.element_size()
-            parts = [(row[value_bytes:].view(index_dtype).long(), row[:value_bytes].view(wire.dtype)) for row in rows]
-        else:
-            parts = [
-                (positions if r == rank else select(state.method, p, units, state.density, state.seed, step, r), rows[r])
-                for r in range(world)
-            ]
+    def write(target):
         accumulator = target if target.dtype == torch.float32 else torch.zeros(target.numel(), device=target.device)
         accumulator.zero_()
         # One index_add_ per rank, in rank order: positions within a rank are
@@ -114,38 +174,140 @@ def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], targ
             accumulator.index_add_(0, where, vals.to(accumulator.dtype))
         if accumulator is not target:
             target.copy_(accumulator)
-        return target
 
-    return allgather(payload, group, world).then(write_gathered)
+    return ~torch.isfinite(values).all(), write
 
 
-def _global_exchange(state: SparsifyState, step: int):
-    """At the last bucket: select over all buckets of the step with one budget."""
-    entries = state._pending_global
-    state._pending_global = []
-    sizes = [buffer.numel() for _, buffer, _, _ in entries]
-    dtypes = {buffer.dtype for _, buffer, _, _ in entries}
-    joined = torch.cat([p for _, _, p, _ in entries])
-    target = torch.empty(joined.numel(), dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
-                         device=joined.device)
-    fut = _exchange(state, joined, [Unit(0, 0, joined.numel())], target, step)
-    if state.error_feedback:  # the residual update happened in `joined`: copy it back
-        for (_, _, p, _), chunk in zip(entries, joined.split(sizes)):
-            p.copy_(chunk)
+def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.Tensor], units: Sequence[Unit],
+            starts: torch.Tensor, extremes: torch.Tensor, step: int) -> _Flight:
+    """Select, pack and start the collective; the residual is left untouched until :func:`_commit`."""
+    group, world, rank = state._group, state._world_size, state._rank
+    shared = state.aggregation == "allreduce"
+    who = SHARED if shared else rank
+    if state.method == "topk":
+        p = _compensated(grad, residual, state._scale)
+        positions = select("topk", p, units, state.density, state.seed, step, who)
+        values = p[positions]
+        del p
+    else:  # the random selectors need no values: compensate only the chosen positions
+        positions = select(state.method, grad, units, state.density, state.seed, step, who)
+        values = _compensated(grad, residual, state._scale, positions)
+    low, high = extremes
+    hold = None
+    if residual is not None:
+        idle = (low == 0) & (high == 0)
+        hold = idle[torch.searchsorted(starts, positions, right=True) - 1]
+        values.masked_fill_(hold, 0.0)
+    wire = values.to(grad.dtype)
+    kept = None if residual is None or wire.dtype == torch.float32 else values - wire.float()
+    # A non-finite gradient anywhere in this rank's bucket reaches every rank, even at unsent positions.
+    _fill_if(wire, ~(torch.isfinite(low).all() & torch.isfinite(high).all()), float("nan"))
+    wire.div_(world)  # divide before the collective, as PyTorch's allreduce_hook does
+    k = positions.numel()
+    sent = k * wire.element_size()
+    dense = (grad.numel(), grad.numel() * grad.element_size())
 
-    def finish(f):
-        try:
-            for (_, buffer, _, _), chunk in zip(entries, f.value().split(sizes)):
+    if shared:
+        state._stats.add(k, sent, *dense)
+        future = allreduce_sum(wire, group, world).then(lambda f: _shared_result(positions, f.value()))
+        return _Flight(grad, residual, positions, kept, hold, future)
+
+    index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
+    if state.method == "topk":
+        payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
+        sent += k * index_dtype.itemsize
+    else:  # random positions are recomputed from (seed, step, unit, rank): values only
+        payload = wire
+    state._stats.add(k, sent, *dense)
+    future = allgather(payload, group, world).then(
+        lambda f: _gathered_result(state, units, step, positions, wire.dtype, index_dtype, f.value()))
+    return _Flight(grad, residual, positions, kept, hold, future)
+
+
+def _launch_global(state: SparsifyState, step: int) -> _Flight:
+    """At the last bucket: one budget over the concatenation of all buckets of the step."""
+    waiting, state._waiting = state._waiting, []
+    buffers = [buffer for buffer, _, _, _ in waiting]
+    grad = torch.cat(buffers)  # receives the joined result, copied back into the buffers at the end
+    layout, starts, shift = [], [], 0
+    for buffer, bucket_layout, bucket_starts, _ in waiting:
+        layout.extend((key, offset + shift, n) for key, offset, n in bucket_layout)
+        starts.append(bucket_starts + shift)
+        shift += buffer.numel()
+    residual = None
+    if state.error_feedback:
+        residual = state.residuals.bucket_residual(GLOBAL_BUCKET, tuple(layout), grad.numel(), grad.device)
+    extremes = torch.cat([e for _, _, _, e in waiting], dim=1)
+    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], torch.cat(starts), extremes, step)
+    flight.outputs = buffers
+    return flight
+
+
+def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> None:
+    """Fold the step's gradient into this rank's float32 states; a discarded step leaves them unchanged.
+
+    The one place where the per-rank states absorb a gradient, and so where
+    non-finite steps and the loss scale are handled for all of them: the
+    gradient is zeroed when the step is discarded, and consumed times ``1/S``.
+    Then ``e = e + g / S`` everywhere and, at the positions sent, what was not
+    sent (0, or the rounding to the wire dtype); held positions (parameters
+    without a gradient) and discarded steps keep ``e``.
+    """
+    e = flight.residual
+    if e is None:
+        return
+    grad = flight.grad
+    _fill_if(grad, discard, 0.0)  # the buffer is overwritten with the result next: zeroing it is free of copies
+    if inv_scale is None:
+        e.add_(grad)
+    else:
+        e.addcmul_(grad, inv_scale)
+    keep = discard if flight.hold is None else flight.hold | discard
+    if flight.kept is None:
+        left = torch.zeros((), dtype=e.dtype, device=e.device)
+    else:
+        left = flight.kept if inv_scale is None else flight.kept * inv_scale
+    e.index_put_((flight.positions,), torch.where(keep, e[flight.positions], left))
+
+
+def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.Tensor]) -> None:
+    """End of the step, all exchanges done: one verdict for the step, then states and outputs."""
+    results = [flight.future.value() for flight in flights]
+    discard = torch.stack([bad for bad, _ in results]).any()  # the same on every rank: all saw the same data
+    state._count_nonfinite(discard)
+    inv_scale = None if scale is None else scale.reciprocal()
+    for flight, (_, write) in zip(flights, results):
+        _update_states(flight, discard, inv_scale)
+        write(flight.grad)
+        if flight.outputs is not None:
+            for buffer, chunk in zip(flight.outputs, flight.grad.split([b.numel() for b in flight.outputs])):
                 buffer.copy_(chunk)
-        except Exception as exc:
-            for _, _, _, pending in entries[:-1]:
-                pending.set_exception(exc)
-            raise
-        for _, buffer, _, pending in entries[:-1]:
-            pending.set_result(buffer)
-        return entries[-1][1]
 
-    return fut.then(finish)
+
+def _wait_for_last(state: SparsifyState, buffer: torch.Tensor) -> torch.futures.Future:
+    """The future of a bucket that is not the last: completed with ``buffer`` at the end of the step."""
+    pending: torch.futures.Future = torch.futures.Future()
+    state._pending.append((pending, buffer))
+    return pending
+
+
+def _finish_step(state: SparsifyState, last_buffer: torch.Tensor) -> torch.futures.Future:
+    """At the last bucket: once every exchange of the step has finished, commit and complete all futures."""
+    flights, pending, scale = state._flights, state._pending, state._scale
+    state._flights, state._pending = [], []
+
+    def commit(_):
+        try:
+            _commit(state, flights, scale)
+        except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
+            for fut, _ in pending:
+                fut.set_exception(exc)
+            raise
+        for fut, buffer in pending:
+            fut.set_result(buffer)
+        return last_buffer
+
+    return torch.futures.collect_all([flight.future for flight in flights]).then(commit)
 
 
 # No `from __future__ import annotations` in this module: DDP's register_comm_hook
@@ -163,38 +325,42 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
 
     Returns:
         A future holding ``bucket.buffer()``, overwritten with the average over
-        ranks of each rank's sparsified compensated gradient.
+        ranks of each rank's sparsified compensated gradient. It completes
+        when the step's last bucket has been exchanged.
     """
+    check_hook_call("sparsify_hook", state, SparsifyState, bucket)
     state._bind(bucket)
-    buffer = bucket.buffer()
-    last = bucket.is_last()
-    if bucket.index() == 0 and state._pending_global:
-        state._pending_global = []  # left over from a backward that raised
+    index, buffer, last = bucket.index(), bucket.buffer(), bucket.is_last()
+    if index == 0:  # DDP hands buckets over in index order
+        state._begin_step(buffer.device)
     # Parameter keys are assigned at the very first call, warm-up included, so
     # that a resumed run (which starts on DDP's initial buckets) numbers the
     # parameters exactly as the uninterrupted run did.
-    layout = state._layout(bucket)
+    layout, starts = state._layout(bucket)
     if state.step < state.warmup_steps:
         n = buffer.numel()
         state._stats.add(n, n * buffer.element_size(), n, n * buffer.element_size())
         fut = allreduce_mean(buffer, state._group, state._world_size)
         if last:
-            state._end_step(bucket.index(), compressed=False)
+            state._end_step(index, compressed=False)
         return fut
-    step = state.step
-    p = _compensated(state, bucket, layout)
+    extremes = _extremes(bucket.gradients())
     if state.scope == "global":
-        pending: torch.futures.Future = torch.futures.Future()
-        state._pending_global.append((bucket.index(), buffer, p, pending))
+        state._waiting.append((buffer, layout, starts, extremes))
         if not last:
-            return pending
-        fut = _global_exchange(state, step)
+            return _wait_for_last(state, buffer)
+        state._flights.append(_launch_global(state, state.step))
     else:
+        residual = None
+        if state.error_feedback:
+            residual = state.residuals.bucket_residual(index, layout, buffer.numel(), buffer.device)
         if state.scope == "layer":
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout]
         else:
-            units = [Unit(bucket.index(), 0, buffer.numel())]
-        fut = _exchange(state, p, units, buffer, step)
-    if last:
-        state._end_step(bucket.index(), compressed=True)
+            units = [Unit(index, 0, buffer.numel())]
+        state._flights.append(_launch(state, buffer, residual, units, starts, extremes, state.step))
+        if not last:
+            return _wait_for_last(state, buffer)
+    fut = _finish_step(state, buffer)
+    state._end_step(index, compressed=True)
     return fut
