@@ -133,9 +133,13 @@ class AdaAlterAverager:
         Returns:
             Whether this call ended with an averaging (also on a single rank).
         """
+        params = _flatten_params(params)
+        world = self._world_size()
+        if world > 1 and params:  # before the first averaging: do all ranks average on the same steps?
+            self.schedule.check_across_ranks(self.process_group, world, params[0].device)
         due = self.schedule.advance()
         if due:
-            self.average_(_flatten_params(params))
+            self.average_(params)
         return due
 
     def state_dict(self) -> Dict[str, object]:

@@ -90,6 +90,9 @@ def check_same_on_all_ranks(
 ) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks hold equal ``settings``.
 
+    The message names ``what``, rank 0's and the first differing rank's
+    settings (``describe``, by default the settings that differ) and ``why``.
+
     One small blocking ``all_gather`` of an int64 vector (floats travel as
     their bit patterns). Call it at the same point on every rank, before the
     first collective whose shape or meaning depends on the settings, so that a
@@ -106,10 +109,12 @@ def check_same_on_all_ranks(
     mine = torch.tensor([_to_int64(v) for v in values], dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(rows, mine, group=group)
-    describe = describe or (lambda s: ", ".join(f"{k}={v!r}" for k, v in s.items()))
-    first = rows[0].tolist()
     for r, row in enumerate(rows):
         if not torch.equal(row, rows[0]):
-            decode = lambda codes: {k: _from_int64(c, v) for k, c, v in zip(names, codes, values)}  # noqa: E731
-            raise ValueError(f"ranks were built with different {what}: rank 0 has {describe(decode(first))} but "
-                             f"rank {r} has {describe(decode(row.tolist()))}; {why}")
+            first, theirs = ({k: _from_int64(c, v) for k, c, v in zip(names, codes, values)}
+                             for codes in (rows[0].tolist(), row.tolist()))
+            if describe is None:  # name only the settings that differ
+                differ = [k for k in names if first[k] != theirs[k]]
+                describe = lambda s: ", ".join(f"{k}={s[k]!r}" for k in differ)  # noqa: E731
+            raise ValueError(f"ranks were built with different {what}: rank 0 has {describe(first)} but "
+                             f"rank {r} has {describe(theirs)}; {why}")
