@@ -144,6 +144,13 @@ class LocalAdaAlter(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        if any(p.dtype == torch.float16 for p in self.param_groups[-1]["params"]):
+            self.param_groups.pop()
+            raise TypeError(
+                "LocalAdaAlter got a float16 parameter: its sums of squared gradients live in the parameter's "
+                "dtype, and float16 overflows to inf at 65504; keep float32 parameters (autocast gives "
+                "mixed precision) or use bfloat16"
+            )
         # Every parameter gets its accumulators now, gradient or not, so the
         # averaging collective has the same size on every rank from the start.
         for p in self.param_groups[-1]["params"]:

@@ -109,6 +109,13 @@ class LocalSGDState:
     def _bind(self, bucket: dist.GradBucket) -> None:
         """At the first call: the process group (present, right backend) and the schedule's cross-rank check."""
         device = bucket.buffer().device
+        dtypes = {p.dtype for p in bucket.parameters()}
+        if bucket.buffer().dtype not in dtypes:
+            raise TypeError(
+                f"local_sgd_hook received a {bucket.buffer().dtype} bucket for {sorted(map(str, dtypes))} "
+                "parameters: a wrapper such as fp16_compress_wrapper cast it. After warm-up nothing is sent, so the "
+                "cast would only round the local gradients; register local_sgd_hook without a compression wrapper"
+            )
         if self._world_size is None:
             self._group = check_group_ready(self.process_group, device, "local_sgd_hook")
             self._world_size = dist.get_world_size(self._group)
