@@ -39,11 +39,9 @@ def _flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def _sparsify_train(rank, combo, steps=4, **ddp_kwargs):
-    method, scope, aggregation = combo
+def _train(rank, hook, state, steps=4, **ddp_kwargs):
     model = DDP(Net(), bucket_cap_mb=0.002, **ddp_kwargs)
-    model.register_comm_hook(SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1),
-                             sparsify_hook)
+    model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
         opt.zero_grad()
@@ -51,6 +49,12 @@ def _sparsify_train(rank, combo, steps=4, **ddp_kwargs):
         opt.step()
     assert_replicas_equal(model)
     return _flat(model.parameters())
+
+
+def _sparsify_train(rank, combo, **ddp_kwargs):
+    method, scope, aggregation = combo
+    state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1)
+    return _train(rank, sparsify_hook, state, **ddp_kwargs)
 
 
 def _mass_error(rank, world, combo, unused_at=None, steps=9, **ddp_kwargs):
@@ -140,23 +144,12 @@ def _fp16_wrapper(rank):
     """fp16_compress_wrapper(sparsify_hook): at density 1 PyTorch's fp16_compress_hook bit for bit; at 0.1 it runs."""
     import warnings
 
-    def train(hook, state, steps=3):
-        model = DDP(Net(), bucket_cap_mb=0.002)
-        model.register_comm_hook(state, hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        for step in range(steps):
-            opt.zero_grad()
-            model(_batch(rank, step)).pow(2).mean().backward()
-            opt.step()
-        assert_replicas_equal(model)
-        return _flat(model.parameters())
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dense = SparsifyState(density=1.0)
     sparse = SparsifyState(method="topk", aggregation="allgather", density=0.1)
-    same = torch.equal(train(fp16_compress_hook, None), train(fp16_compress_wrapper(sparsify_hook), dense))
-    train(fp16_compress_wrapper(sparsify_hook), sparse)
+    same = torch.equal(_train(rank, fp16_compress_hook, None), _train(rank, fp16_compress_wrapper(sparsify_hook), dense))
+    _train(rank, fp16_compress_wrapper(sparsify_hook), sparse)
     return same and all(t.dtype == torch.float32 for t in sparse.residuals.state().values())
 
 
