@@ -19,12 +19,25 @@ def completed_future(value) -> torch.futures.Future:
     return fut
 
 
+def _then_return(fut: torch.futures.Future, value) -> torch.futures.Future:
+    """``fut.then(...)`` holding ``value``, failing if ``fut`` failed.
+
+    A callback that does not read ``f.value()`` completes successfully even
+    when the collective failed (a timeout, a dead peer), and would hand an
+    unreduced or uninitialised tensor on as if it were the result.
+    """
+    def check(f):
+        f.value()  # raises the collective's error
+        return value
+
+    return fut.then(check)
+
+
 def allreduce_sum(tensor: torch.Tensor, group, world_size: int) -> torch.futures.Future:
     """Sum ``tensor`` in place across the group; the future holds ``tensor``."""
     if world_size == 1:
         return completed_future(tensor)
-    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-    return fut.then(lambda f: tensor)
+    return _then_return(dist.all_reduce(tensor, group=group, async_op=True).get_future(), tensor)
 
 
 def allreduce_mean(tensor: torch.Tensor, group, world_size: int) -> torch.futures.Future:
@@ -45,8 +58,7 @@ def allgather(tensor: torch.Tensor, group, world_size: int) -> torch.futures.Fut
     if world_size == 1:
         return completed_future(tensor.unsqueeze(0))
     output = torch.empty(world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    fut = _gather_into(output, tensor, group).get_future()
-    return fut.then(lambda f: output.view(world_size, -1))
+    return _then_return(_gather_into(output, tensor, group).get_future(), output.view(world_size, -1))
 
 
 def allgather_many(tensors: List[torch.Tensor], group, world_size: int) -> torch.futures.Future:

@@ -285,26 +285,27 @@ def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.
 
 
 def _wait_for_last(state: SparsifyState, buffer: torch.Tensor) -> torch.futures.Future:
-    """The future of a bucket that is not the last: completed with ``buffer`` at the end of the step."""
-    pending: torch.futures.Future = torch.futures.Future()
-    state._pending.append((pending, buffer))
-    return pending
+    """The future of a bucket that is not the last: ``buffer`` once the step is committed, or the step's error."""
+    def after_commit(step_done):
+        step_done.value()  # raises the step's error, so DDP sees a failed future, not a value
+        return buffer
+
+    return state._step_done.then(after_commit)
 
 
 def _finish_step(state: SparsifyState, last_buffer: torch.Tensor) -> torch.futures.Future:
     """At the last bucket: once every exchange of the step has finished, commit and complete all futures."""
-    flights, pending, scale = state._flights, state._pending, state._scale
-    state._flights, state._pending = [], []
+    flights, step_done, scale = state._flights, state._step_done, state._scale
+    state._flights = []
 
-    def commit(_):
+    def commit(all_done):
         try:
+            all_done.value()  # the first failed exchange's error; collect_all may end before the others finish
             _commit(state, flights, scale)
         except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
-            for fut, _ in pending:
-                fut.set_exception(exc)
+            step_done.set_exception(exc)
             raise
-        for fut, buffer in pending:
-            fut.set_result(buffer)
+        step_done.set_result(None)
         return last_buffer
 
     return torch.futures.collect_all([flight.future for flight in flights]).then(commit)

@@ -93,9 +93,9 @@ class SparsifyState:
         # bound lazily at the first hook call
         "_group", "_rank", "_world_size", "_checked",
         "_param_keys", "_layouts", "_loaded_meta", "_loaded_keys",
-        # within one backward: the loss scale, exchanges in flight, their buckets' futures,
-        # buckets waiting for the last one (global scope)
-        "_scale", "_flights", "_pending", "_waiting",
+        # within one backward: the loss scale, exchanges in flight, the step's completion (which
+        # the buckets' futures follow), buckets waiting for the last one (global scope)
+        "_scale", "_flights", "_step_done", "_waiting",
     )
 
     def __init__(
@@ -148,7 +148,7 @@ class SparsifyState:
         self._loaded_keys: Optional[set] = None
         self._scale: Optional[torch.Tensor] = None
         self._flights: list = []
-        self._pending: list = []
+        self._step_done: Optional[torch.futures.Future] = None
         self._waiting: list = []
 
     # ----- options as ints, for checkpoints and the cross-rank check -----
@@ -234,7 +234,8 @@ class SparsifyState:
 
     def _begin_step(self, device: torch.device) -> None:
         """At the first bucket of a backward: drop leftovers of a backward that raised; read the loss scale."""
-        self._flights, self._pending, self._waiting = [], [], []
+        self._flights, self._waiting = [], []
+        self._step_done = torch.futures.Future()
         scaler = self.grad_scaler
         # GradScaler.scale(t) is t * S on t's device: S as a tensor, without a host sync.
         self._scale = None if scaler is None else scaler.scale(torch.ones((), dtype=torch.float32, device=device))
