@@ -206,3 +206,21 @@ def test_state_of_another_model_is_refused_before_anything_changes():
 def test_hook_state_holds_only_the_schedule_and_loads_on_any_number_of_ranks():
     hook = LocalSGDState(warmup_steps=2)
     assert set(hook.state_dict()) == {"schedule", "allreduce_calls"}  # no per-rank or per-parameter entry
+
+
+def test_builders_refuse_a_model_that_is_not_ddp():
+    from ddp_hooks import build_local_adaalter, build_local_sgd, build_sync_adagrad
+
+    for build in (build_local_adaalter, build_sync_adagrad, build_local_sgd):
+        with pytest.raises(TypeError, match="`ddp_model` must be a DistributedDataParallel model, got Linear"):
+            build(torch.nn.Linear(2, 1))
+    assert not dist.is_initialized()
+
+
+def test_float16_parameters_are_refused_with_the_reason():
+    with pytest.raises(TypeError, match="LocalAdaAlter got a float16 parameter: .* float16 overflows to inf at 65504"):
+        LocalAdaAlter([torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))])
+    opt = LocalAdaAlter([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+    with pytest.raises(TypeError, match="float16 parameter"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))]})
+    assert len(opt.param_groups) == 1  # the refused group was not kept
