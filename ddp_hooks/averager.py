@@ -58,6 +58,8 @@ class AdaAlterAverager:
     * :meth:`average_parameters` is a drop-in for PyTorch's
       ``PeriodicModelAverager.average_parameters``: call it after every
       optimizer step; it advances the schedule and averages when one is due.
+      Its first call on several ranks checks that all ranks run the same
+      schedule (one small ``all_gather``).
 
     ``averagings`` counts the collectives issued.
 

@@ -18,6 +18,13 @@ therefore leaves the hook in the same phase for the next backward (unlike
 PyTorch's ``post_localSGD_hook``, issue 76282). Only without such an optimizer
 (e.g. plain SGD with a model averager) does the hook fall back to counting
 backward passes on the last bucket, as PyTorch does.
+
+At its first call the hook checks that a process group exists and that its
+backend moves the gradients' device, refuses a bucket cast by a compression
+wrapper, and compares the schedule (and the optimizer's numbers) across ranks
+with one small ``all_gather``
+(:meth:`~ddp_hooks.schedule.LocalAdaAlterSchedule.check_across_ranks`), so
+that mismatched ranks fail alike instead of averaging on different steps.
 """
 
 # No `from __future__ import annotations` here: DDP compares the hook's
