@@ -90,12 +90,13 @@ Result = Tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 class _Flight:
     """One exchange in flight, and what the end of the step needs to apply it."""
 
-    __slots__ = ("grad", "residual", "positions", "kept", "hold", "future", "outputs")
+    __slots__ = ("grad", "residual", "positions", "before", "kept", "hold", "future", "outputs")
 
-    def __init__(self, grad, residual, positions, kept, hold, future, outputs=None):
+    def __init__(self, grad, residual, positions, before, kept, hold, future, outputs=None):
         self.grad = grad  # the gradient (the bucket buffer, or the joined buckets); receives the result
         self.residual = residual  # float32 residual laid out like grad, or None without error feedback
         self.positions = positions  # this rank's sent positions
+        self.before = before  # the residual at `positions` before the step
         self.kept = kept  # what stays in the residual at `positions` (scaled units; None: 0)
         self.hold = hold  # positions of parameters without a gradient this step (nothing sent, residual kept)
         self.future = future  # -> Result
@@ -132,14 +133,11 @@ def _extremes(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.stack(lows), torch.stack(highs)]).float()
 
 
-def _compensated(grad: torch.Tensor, residual: Optional[torch.Tensor], scale: Optional[torch.Tensor],
-                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``p = g + S e`` in float32, whole or at ``positions`` (``S`` = 1 without a scaler; ``p = g`` without e)."""
-    g = grad if positions is None else grad[positions]
+def _compensated(grad: torch.Tensor, residual: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``p = g + S e`` in float32 (``S`` = 1 without a scaler; ``p = g`` without error feedback)."""
     if residual is None:
-        return g.float()
-    e = residual if positions is None else residual[positions]
-    return torch.add(e, g) if scale is None else torch.addcmul(g.float(), e, scale)
+        return grad.float()
+    return torch.add(residual, grad) if scale is None else torch.addcmul(grad.float(), residual, scale)
 
 
 def _shared_result(positions: torch.Tensor, received: torch.Tensor) -> Result:
@@ -184,20 +182,26 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     group, world, rank = state._group, state._world_size, state._rank
     shared = state.aggregation == "allreduce"
     who = SHARED if shared else rank
+    before = None
     if state.method == "topk":
         p = _compensated(grad, residual, state._scale)
         positions = select("topk", p, units, state.density, state.seed, step, who)
         values = p[positions]
         del p
+        if residual is not None:
+            before = residual[positions]
     else:  # the random selectors need no values: compensate only the chosen positions
         positions = select(state.method, grad, units, state.density, state.seed, step, who)
-        values = _compensated(grad, residual, state._scale, positions)
+        if residual is not None:
+            before = residual[positions]
+        values = _compensated(grad[positions], before, state._scale)
     low, high = extremes
     hold = None
     if residual is not None:
         idle = (low == 0) & (high == 0)
-        hold = idle[torch.searchsorted(starts, positions, right=True) - 1]
-        values.masked_fill_(hold, 0.0)
+        if low.device.type != "cpu" or idle.any():  # (on CPU the host may look: usually no parameter is idle)
+            hold = idle[torch.searchsorted(starts, positions, right=True) - 1]
+            values.masked_fill_(hold, 0.0)
     wire = values.to(grad.dtype)
     kept = None if residual is None or wire.dtype == torch.float32 else values - wire.float()
     # A non-finite gradient anywhere in this rank's bucket reaches every rank, even at unsent positions.
@@ -210,7 +214,7 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     if shared:
         state._stats.add(k, sent, *dense)
         future = allreduce_sum(wire, group, world).then(lambda f: _shared_result(positions, f.value()))
-        return _Flight(grad, residual, positions, kept, hold, future)
+        return _Flight(grad, residual, positions, before, kept, hold, future)
 
     index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
     if state.method == "topk":
@@ -221,7 +225,7 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     state._stats.add(k, sent, *dense)
     future = allgather(payload, group, world).then(
         lambda f: _gathered_result(state, units, step, positions, wire.dtype, index_dtype, f.value()))
-    return _Flight(grad, residual, positions, kept, hold, future)
+    return _Flight(grad, residual, positions, before, kept, hold, future)
 
 
 def _launch_global(state: SparsifyState, step: int) -> _Flight:
@@ -267,7 +271,8 @@ def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[t
         left = torch.zeros((), dtype=e.dtype, device=e.device)
     else:
         left = flight.kept if inv_scale is None else flight.kept * inv_scale
-    e.index_put_((flight.positions,), torch.where(keep, e[flight.positions], left))
+    # kept positions had no gradient added (a held parameter's is 0, a discarded step's was zeroed): e before
+    e.index_put_((flight.positions,), torch.where(keep, flight.before, left))
 
 
 def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.Tensor]) -> None:

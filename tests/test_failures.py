@@ -19,7 +19,7 @@ from ddp_hooks import SparsifyState, sparsify_hook
 from ddp_hooks.testing import ChildFailedError, free_port, run_distributed
 from test_sparsify_dist import _batch, _model
 
-COLLECTIVE_TIMEOUT = 10.0
+COLLECTIVE_TIMEOUT = 6.0
 FAIL_STEP = 2
 
 
