@@ -54,7 +54,9 @@ class SparsifyState:
             given, the per-rank states are kept unscaled (``e`` in gradient
             units, ``p = g + S * e``), so a change of ``S`` cannot leave a
             stale factor ``S_new / S_old`` in them. Without it they hold
-            scaled values: fine without AMP or with a constant scale.
+            scaled values: fine without AMP or with a constant scale. The
+            scaler is not part of :meth:`state_dict` or of a pickle: give it
+            again when resuming.
 
     Non-finite gradients (an AMP overflow, a NaN): when any rank's gradient
     holds inf or NaN at a step, every rank's output for that step is made
