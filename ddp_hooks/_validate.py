@@ -73,3 +73,63 @@ def check_process_group(name: str, value) -> None:
             f"`{name}` must be None (the default group) or a torch.distributed.ProcessGroup, "
             f"got {value!r} of type {type(value).__name__}"
         )
+
+
+def check_hook_call(hook: str, state, state_type: type, bucket) -> None:
+    """A comm hook's arguments: the state it was registered with, and a DDP ``GradBucket``.
+
+    Catches ``register_comm_hook(None, hook)`` and registering a DDP hook with
+    FSDP, whose hooks receive a gradient tensor instead of a bucket.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"{hook} was registered with a state of type {type(state).__name__}; it needs a {state_type.__name__}: "
+            f"ddp_model.register_comm_hook({state_type.__name__}(...), {hook})"
+        )
+    if not isinstance(bucket, dist.GradBucket):
+        raise TypeError(
+            f"{hook} received a {type(bucket).__name__} instead of a torch.distributed.GradBucket: it is a "
+            "DistributedDataParallel comm hook; register it with DistributedDataParallel.register_comm_hook "
+            "(FSDP comm hooks have another signature)"
+        )
+
+
+def _served_device_types(group) -> set:
+    """Device types the group's backend moves, from ``get_backend_config`` (e.g. 'cpu:gloo,cuda:nccl')."""
+    import torch.distributed as dist
+
+    get_config = getattr(dist, "get_backend_config", None)
+    if get_config is None:  # older torch: only the backend's name
+        return {"cuda"} if str(dist.get_backend(group)) == "nccl" else set()
+    served = set()
+    for part in str(get_config(group)).split(","):
+        device, _, backend = part.partition(":")
+        if backend:
+            served.add(device.strip())
+    return served
+
+
+def check_group_ready(process_group, device, hook: str):
+    """The group a hook communicates in, checked once at its first call; returns it.
+
+    Raises ``RuntimeError`` when no process group exists yet, and when the
+    group's backend does not move tensors of the gradients' device type
+    (e.g. NCCL with CPU gradients), instead of failing deep inside a collective.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{hook} was called but torch.distributed has no process group; "
+                           "call torch.distributed.init_process_group before training")
+    group = process_group if process_group is not None else dist.group.WORLD
+    served = _served_device_types(group)
+    if served and device.type not in served:
+        config = getattr(dist, "get_backend_config", dist.get_backend)(group)
+        raise RuntimeError(
+            f"{hook}: the gradients are on {device.type} but the process group's backend ({config!r}) only moves "
+            f"{', '.join(sorted(served))} tensors; use a group whose backend serves {device.type} "
+            "(gloo for CPU, nccl for CUDA)"
+        )
+    return group

@@ -61,7 +61,7 @@ import torch.distributed as dist
 from ._validate import check_bool, check_float, check_int, check_process_group
 from .averager import AdaAlterAverager
 from .local_sgd import LocalSGDState, local_sgd_hook
-from .schedule import LocalAdaAlterSchedule, _register_owner
+from .schedule import LocalAdaAlterSchedule, _register_owner, driver_settings
 
 __all__ = ["LocalAdaAlter", "build_local_adaalter"]
 
@@ -133,8 +133,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
         super().__init__(params, dict(lr=float(lr), eps=float(eps), lazy_correction=lazy_correction))
         if hook_state is not None:
             hook_state.attach(schedule)  # raises on a warm-up mismatch
-        schedule.has_driver = True
         self.schedule = schedule
+        schedule.set_driver(self._settings)
         self.averager = AdaAlterAverager(process_group=process_group, schedule=schedule)
         self.process_group = process_group
         self.amp_agreements = 0  # one-float allreduces issued to agree on skipping
@@ -144,6 +144,13 @@ class LocalAdaAlter(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        if any(p.dtype == torch.float16 for p in self.param_groups[-1]["params"]):
+            self.param_groups.pop()
+            raise TypeError(
+                "LocalAdaAlter got a float16 parameter: its sums of squared gradients live in the parameter's "
+                "dtype, and float16 overflows to inf at 65504; keep float32 parameters (autocast gives "
+                "mixed precision) or use bfloat16"
+            )
         # Every parameter gets its accumulators now, gradient or not, so the
         # averaging collective has the same size on every rank from the start.
         for p in self.param_groups[-1]["params"]:
@@ -159,6 +166,20 @@ class LocalAdaAlter(torch.optim.Optimizer):
         if not dist.is_available() or not dist.is_initialized():
             return 1
         return dist.get_world_size(self.process_group)
+
+    def _rank(self) -> int:
+        if not dist.is_available() or not dist.is_initialized():
+            return 0
+        return dist.get_rank(self.process_group)
+
+    def _settings(self) -> Dict[str, Any]:
+        return driver_settings(self.param_groups)
+
+    def _check_ranks(self) -> None:
+        """Before the first step's collectives: all ranks built alike? (Done by the hook when it ran first.)"""
+        if not self.schedule.cross_checked:
+            device = self.param_groups[0]["params"][0].device
+            self.schedule.check_across_ranks(self.process_group, self._world_size(), device)
 
     def _skip_for_amp(self, warmup: bool) -> bool:
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
@@ -178,6 +199,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         sched = self.schedule
+        self._check_ranks()
         warmup = sched.in_warmup
         if self._skip_for_amp(warmup):
             return loss  # the schedule does not advance: the step did not happen
@@ -201,6 +223,27 @@ class LocalAdaAlter(torch.optim.Optimizer):
             self._synchronise()
         return loss
 
+    def _check_loadable(self, state_dict: Dict[str, Any]) -> None:
+        sched = state_dict["schedule"]
+        saved_world, saved_rank = state_dict.get("world_size"), state_dict.get("rank")
+        world, rank = self._world_size(), self._rank()
+        if saved_world is not None and int(sched["step"]) != int(sched["last_sync"]) and \
+                (saved_world, saved_rank) != (world, rank):
+            raise ValueError(
+                f"this LocalAdaAlter state was saved by rank {saved_rank} of {saved_world} between two averagings "
+                f"(step {sched['step']}, last averaged at {sched['last_sync']}), and this is rank {rank} of {world}: "
+                "its local accumulators belong to that rank alone. Resume on the same ranks, or from a checkpoint "
+                "taken at an averaging step (step == last_sync), which loads on any number of ranks"
+            )
+        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
+        for i, p in zip(saved_ids, self._params()):
+            for name, t in state_dict.get("state", {}).get(i, {}).items():
+                if isinstance(t, torch.Tensor) and t.shape != p.shape:
+                    raise ValueError(
+                        f"the saved LocalAdaAlter state {name!r} of parameter #{i} has shape {tuple(t.shape)} but the "
+                        f"parameter has shape {tuple(p.shape)}: the state was saved from a different model"
+                    )
+
     def _synchronise(self) -> None:
         params = self._params()
         local = [self.state[p]["local_sq"] for p in params]
@@ -210,22 +253,42 @@ class LocalAdaAlter(torch.optim.Optimizer):
             a.zero_()
 
     def state_dict(self) -> Dict[str, Any]:
-        """Accumulators, hyperparameters, the schedule and the counters ``amp_agreements``, ``averagings``."""
+        """Accumulators, hyperparameters, the schedule, the counters ``amp_agreements``, ``averagings``,
+        and the ``world_size`` and ``rank`` that saved it."""
         sd = super().state_dict()
         sd["schedule"] = self.schedule.state_dict()
         sd["amp_agreements"] = self.amp_agreements
         sd["averagings"] = self.averager.averagings
+        sd["world_size"], sd["rank"] = self._world_size(), self._rank()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore accumulators and the schedule; period and warm-up must match this optimizer's."""
+        """Restore accumulators and the schedule; period and warm-up must match this optimizer's.
+
+        The rule for another number of ranks: a state saved at a
+        synchronisation (any warm-up step, or the step of an averaging; then
+        ``step == last_sync``) is the same on every rank, and loads on any
+        number of ranks and on any rank. A state saved between two
+        synchronisations holds this rank's own local accumulators (and goes
+        with this rank's own parameters): it loads only on the rank that saved
+        it, with the same number of ranks; anything else raises ``ValueError``.
+        Accumulators whose shapes differ from the parameters' (another model)
+        raise ``ValueError`` before anything is changed.
+        """
         state_dict = dict(state_dict)
         if "schedule" not in state_dict:
             raise ValueError("this state dict has no 'schedule' entry; it was not saved by LocalAdaAlter.state_dict()")
-        self.schedule.load_state_dict(state_dict.pop("schedule"))
-        self.amp_agreements = int(state_dict.pop("amp_agreements", 0))
-        self.averager.averagings = int(state_dict.pop("averagings", 0))
+        self._check_loadable(state_dict)
+        state_dict.pop("world_size", None)
+        state_dict.pop("rank", None)
+        schedule = state_dict.pop("schedule")
+        # Validate on a copy first, so that a refused state changes nothing.
+        LocalAdaAlterSchedule(self.schedule.warmup_steps, self.schedule.period).load_state_dict(schedule)
+        amp_agreements = int(state_dict.pop("amp_agreements", 0))
+        averagings = int(state_dict.pop("averagings", 0))
         super().load_state_dict(state_dict)
+        self.schedule.load_state_dict(schedule)
+        self.amp_agreements, self.averager.averagings = amp_agreements, averagings
 
 
 def build_local_adaalter(

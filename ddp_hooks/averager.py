@@ -58,6 +58,8 @@ class AdaAlterAverager:
     * :meth:`average_parameters` is a drop-in for PyTorch's
       ``PeriodicModelAverager.average_parameters``: call it after every
       optimizer step; it advances the schedule and averages when one is due.
+      Its first call on several ranks checks that all ranks run the same
+      schedule (one small ``all_gather``).
 
     ``averagings`` counts the collectives issued.
 
@@ -133,9 +135,13 @@ class AdaAlterAverager:
         Returns:
             Whether this call ended with an averaging (also on a single rank).
         """
+        params = _flatten_params(params)
+        world = self._world_size()
+        if world > 1 and params:  # before the first averaging: do all ranks average on the same steps?
+            self.schedule.check_across_ranks(self.process_group, world, params[0].device)
         due = self.schedule.advance()
         if due:
-            self.average_(_flatten_params(params))
+            self.average_(params)
         return due
 
     def state_dict(self) -> Dict[str, object]:

@@ -18,6 +18,13 @@ therefore leaves the hook in the same phase for the next backward (unlike
 PyTorch's ``post_localSGD_hook``, issue 76282). Only without such an optimizer
 (e.g. plain SGD with a model averager) does the hook fall back to counting
 backward passes on the last bucket, as PyTorch does.
+
+At its first call the hook checks that a process group exists and that its
+backend moves the gradients' device, refuses a bucket cast by a compression
+wrapper, and compares the schedule (and the optimizer's numbers) across ranks
+with one small ``all_gather``
+(:meth:`~ddp_hooks.schedule.LocalAdaAlterSchedule.check_across_ranks`), so
+that mismatched ranks fail alike instead of averaging on different steps.
 """
 
 # No `from __future__ import annotations` here: DDP compares the hook's
@@ -28,7 +35,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ._validate import check_int, check_process_group
+from ._validate import check_group_ready, check_hook_call, check_int, check_process_group
 from .collectives import allreduce_mean, completed_future
 from .schedule import LocalAdaAlterSchedule, _find_owner
 
@@ -70,7 +77,7 @@ class LocalSGDState:
         # counters: gradient allreduces issued (one per bucket per warm-up step)
         "allreduce_calls",
         # bound at the first hook call
-        "_world_size",
+        "_group", "_world_size",
     )
 
     def __init__(
@@ -91,6 +98,7 @@ class LocalSGDState:
         self.process_group = process_group
         self.schedule = schedule
         self.allreduce_calls = 0
+        self._group = None
         self._world_size: Optional[int] = None
 
     def attach(self, schedule: LocalAdaAlterSchedule) -> None:
@@ -105,8 +113,26 @@ class LocalSGDState:
             )
         self.schedule = schedule
 
+    def _bind(self, bucket: dist.GradBucket) -> None:
+        """At the first call: the process group (present, right backend) and the schedule's cross-rank check."""
+        device = bucket.buffer().device
+        dtypes = {p.dtype for p in bucket.parameters()}
+        if bucket.buffer().dtype not in dtypes:
+            raise TypeError(
+                f"local_sgd_hook received a {bucket.buffer().dtype} bucket for {sorted(map(str, dtypes))} "
+                "parameters: a wrapper such as fp16_compress_wrapper cast it. After warm-up nothing is sent, so the "
+                "cast would only round the local gradients; register local_sgd_hook without a compression wrapper"
+            )
+        if self._world_size is None:
+            self._group = check_group_ready(self.process_group, device, "local_sgd_hook")
+            self._world_size = dist.get_world_size(self._group)
+        self.schedule.check_across_ranks(self._group, self._world_size, device)
+
     def state_dict(self) -> Dict[str, int]:
-        """Schedule and counters as plain ints (``torch.load(weights_only=True)`` safe)."""
+        """Schedule and counters as plain ints (``torch.load(weights_only=True)`` safe).
+
+        The same on every rank, so it loads on any number of ranks.
+        """
         return {"schedule": self.schedule.state_dict(), "allreduce_calls": self.allreduce_calls}
 
     def load_state_dict(self, state: Dict) -> None:
@@ -137,19 +163,20 @@ def local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.futur
     Returns:
         A future holding ``bucket.buffer()``, averaged in place during warm-up.
     """
+    check_hook_call("local_sgd_hook", state, LocalSGDState, bucket)
     sched = state.schedule
     if not sched.has_driver:
         owner = _find_owner(bucket.parameters())
         if owner is not None:
             state.attach(owner)  # raises on a warm-up mismatch, before any step
             sched = owner
+    if state._world_size is None or not sched.cross_checked:
+        state._bind(bucket)
     warmup = sched.in_warmup
     if not sched.has_driver and bucket.is_last():
         sched.advance()  # fallback: no optimizer drives the schedule
     buffer = bucket.buffer()
     if not warmup:
         return completed_future(buffer)
-    if state._world_size is None:
-        state._world_size = dist.get_world_size(state.process_group)
     state.allreduce_calls += 1
-    return allreduce_mean(buffer, state.process_group, state._world_size)
+    return allreduce_mean(buffer, state._group, state._world_size)

@@ -38,6 +38,10 @@ import torch
 # A layout lists, for each parameter in a bucket, (parameter key, offset, numel).
 Layout = Tuple[Tuple[int, int, int], ...]
 
+#: Index under which ``scope="global"`` keeps one flat residual for all buckets
+#: of a step, laid out like their concatenation.
+GLOBAL_BUCKET = -1
+
 
 class ResidualStore:
     """Per-bucket flat float32 residuals that follow their parameters across rebuilds."""
@@ -78,7 +82,7 @@ class ResidualStore:
         return self._flat[bucket_index]
 
     def drop_buckets_after(self, last_index: int) -> None:
-        """Forget bucket indices past the last one (left over from a rebuild)."""
+        """Forget bucket indices past the last one (left over from a rebuild); keeps ``GLOBAL_BUCKET``."""
         for index in [i for i in self._flat if i > last_index]:
             del self._flat[index]
             del self._layout[index]

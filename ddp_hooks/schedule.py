@@ -20,11 +20,14 @@ ranks held the same parameters and accumulators (every warm-up step is one).
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+import weakref
+import zlib
+from typing import Callable, Dict, Iterable, Optional
 
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._validate import check_int
+from .collectives import check_same_on_all_ranks
 
 __all__ = ["LocalAdaAlterSchedule"]
 
@@ -58,7 +61,7 @@ class LocalAdaAlterSchedule:
         {'warmup_steps': 1, 'period': 2, 'step': 5, 'last_sync': 5}
     """
 
-    __slots__ = ("warmup_steps", "period", "step", "last_sync", "has_driver")
+    __slots__ = ("warmup_steps", "period", "step", "last_sync", "has_driver", "cross_checked", "_driver_settings")
 
     def __init__(self, warmup_steps: int = 0, period: Optional[int] = 1) -> None:
         self.warmup_steps = check_int(
@@ -72,6 +75,10 @@ class LocalAdaAlterSchedule:
         # True once an optimizer advances this schedule; a hook state whose
         # schedule has no driver counts backward passes itself (fallback).
         self.has_driver = False
+        # True once all ranks were found to agree (check_across_ranks).
+        self.cross_checked = False
+        # The driving optimizer's settings for that check (a weak method).
+        self._driver_settings: Optional[Callable[[], Optional[Callable[[], Dict]]]] = None
 
     @property
     def in_warmup(self) -> bool:
@@ -102,6 +109,30 @@ class LocalAdaAlterSchedule:
                 "than the optimizer expects. Build both from the same numbers, e.g. with build_local_adaalter()"
             )
 
+    def set_driver(self, settings: Callable[[], Dict]) -> None:
+        """Mark an optimizer as the one that advances this schedule; ``settings`` feeds the cross-rank check."""
+        self.has_driver = True
+        self._driver_settings = weakref.WeakMethod(settings)
+
+    def check_across_ranks(self, group, world_size: int, device) -> None:
+        """Once, at the first hook call or step: raise the same ``ValueError`` on every rank unless all agree.
+
+        Compares, with one small ``all_gather``: warm-up, period, step and
+        last synchronisation (ranks resumed from different checkpoints differ
+        there), and the driving optimizer's learning rate, eps, correction,
+        parameter groups and number of averaged elements. Ranks that differ in
+        any of these would average on different steps or tensors of different
+        sizes: a hang or averaged garbage.
+        """
+        if self.cross_checked:
+            return
+        driver = self._driver_settings() if self._driver_settings is not None else None
+        settings = {**self.state_dict(), **(driver() if driver is not None else _NO_DRIVER)}
+        check_same_on_all_ranks(settings, group, world_size, device, "Local AdaAlter settings",
+                                "build every rank's optimizer and hook from the same numbers (and resume every rank "
+                                "from the same step)")
+        self.cross_checked = True
+
     def state_dict(self) -> Dict[str, int]:
         """Plain ints only (loads under ``torch.load(weights_only=True)``)."""
         return {k: int(getattr(self, k) or 0) for k in _KEYS}
@@ -123,10 +154,26 @@ class LocalAdaAlterSchedule:
         if not 0 <= last_sync <= step:
             raise ValueError(f"schedule state needs 0 <= last_sync <= step, got last_sync={last_sync}, step={step}")
         self.step, self.last_sync = step, last_sync
+        self.cross_checked = False  # compare the resumed step across ranks at the next hook call or step
 
     def __repr__(self) -> str:
         return (f"LocalAdaAlterSchedule(warmup_steps={self.warmup_steps}, period={self.period}, "
                 f"step={self.step}, last_sync={self.last_sync})")
+
+
+# Settings of the cross-rank check for a schedule without an optimizer (same keys as the optimizer's).
+_NO_DRIVER = {"optimizer": False, "lr": 0.0, "eps": 0.0, "lazy_correction": False, "param_groups": 0,
+              "averaged_numel": 0, "groups_crc32": 0}
+
+
+def driver_settings(param_groups, keys=("lr", "eps", "lazy_correction")) -> Dict:
+    """The cross-rank check's view of an optimizer: group 0's numbers, and a checksum over all groups."""
+    first = param_groups[0]
+    every = repr([[float(g[k]) for k in keys] + [sum(p.numel() for p in g["params"])] for g in param_groups])
+    return {"optimizer": True, "lr": float(first["lr"]), "eps": float(first["eps"]),
+            "lazy_correction": bool(first["lazy_correction"]), "param_groups": len(param_groups),
+            "averaged_numel": sum(p.numel() for g in param_groups for p in g["params"]),
+            "groups_crc32": zlib.crc32(every.encode())}
 
 
 def _register_owner(params: Iterable, schedule: LocalAdaAlterSchedule) -> None:

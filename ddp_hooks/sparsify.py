@@ -5,7 +5,7 @@ buckets: :class:`~ddp_hooks.SparsifyState`'s ``scope``), following Eghlidi &
 Jaggi, "Sparse Communication for Training Deep Networks" (2020,
 arXiv 2009.09271):
 
-1. Compensate: ``p = g + e`` in place in the float32 residual of the bucket
+1. Compensate: ``p = g + e`` with the float32 residual ``e`` of the bucket
    (one pass over the gradient, the floor of any error-feedback method);
    with ``weight_decay`` the gradient term is ``g + wd * x``.
 2. Select ``k = ceil(density * n)`` positions of ``p`` per unit
@@ -19,9 +19,43 @@ arXiv 2009.09271):
 5. Write the average over ranks into ``bucket.buffer()`` in place (zeros
    elsewhere), as PyTorch's own hooks do.
 
-The step counter advances on the last bucket of each backward; with
-``scope="global"`` every bucket's future is completed when the last bucket's
-exchange finishes (DDP waits for all of them only at the end of backward).
+Steps 1 and 3 happen at the end of the step, when every bucket's exchange
+has finished (DDP waits for all buckets' futures only at the end of backward
+anyway): each bucket's exchange starts as soon as DDP hands the bucket over,
+but its residual is updated and its result written only once the whole step
+is known to be finite. Until then the bucket buffer still holds ``g``, so no
+copy of the residual is needed to undo anything. The step counter advances on
+the last bucket of each backward.
+
+Non-finite gradients (an AMP overflow, a NaN): while compensating, each
+bucket's per-parameter minimum and maximum are taken (one read pass of the
+gradient, no host sync; NaN and inf propagate into them). A rank whose bucket
+holds inf or NaN sends NaN in place of its values, so every rank receives it,
+whichever positions it was at. At the end of the step, if any exchange of the
+step carried a non-finite value, the step is discarded on every rank alike:
+the outputs hold NaN (``GradScaler`` skips the step on every rank), and the
+gradient is zeroed before it is folded into the residuals
+(:func:`_update_states`, the one place where per-rank states absorb a
+gradient), which therefore keep exactly their values from before the step;
+no inf or NaN can enter them. On CPU the verdict is read on the host; on
+other devices a broadcast ``masked_fill_`` keeps the hook free of host syncs.
+
+Warm-up: plain allreduce for the first ``warmup_steps`` steps; with momentum
+or weight decay in the hook the optimizer has neither, so warm-up steps send
+every position through the same path (the velocity steps everywhere).
+
+Parameters without a gradient: DDP with ``find_unused_parameters=True`` (or
+``static_graph=True``) fills the slot of an unused parameter with zeros and,
+when no rank used it, does not copy the bucket's result into its ``.grad``.
+A rank therefore sends nothing (zeros) for a parameter whose gradient is all
+zero at this step (min = max = 0) and keeps that parameter's residual for a
+later step; otherwise the residual sent for it would be lost.
+
+The loss scale: with ``SparsifyState(grad_scaler=scaler)`` the residuals and
+velocities are kept unscaled: ``p = g + S e`` (``S`` read from the scaler at
+the first bucket, as a tensor), ``e <- e + g / S`` and ``w <- sent / S``. Powers of two (GradScaler's
+defaults) make this exact, so training with the scaler follows training
+without it.
 
 Example (one process, so the average is the rank's own sparse gradient)::
 
@@ -41,123 +75,122 @@ Example (one process, so the average is the rank's own sparse gradient)::
     >>> dist.destroy_process_group()
 """
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ._validate import check_hook_call
 from .collectives import allgather, allreduce_mean, allreduce_sum
+from .residuals import GLOBAL_BUCKET
 from .seeding import SHARED
 from .selection import Unit, select
 from .sparsify_state import SparsifyState
 
 __all__ = ["sparsify_hook"]
 
+# What an exchange yields once it has finished: whether any rank sent a
+# non-finite value, and how to write the average into a target vector.
+Result = Tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 
-def _gradient_term(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
-    """The bucket's gradient, plus ``weight_decay * x`` (as a float32 copy) when the hook applies weight decay."""
-    buffer = bucket.buffer()
+
+class _Flight:
+    """One exchange in flight, and what the end of the step needs to apply it."""
+
+    __slots__ = ("grad", "residual", "positions", "before", "kept", "hold", "future", "outputs", "decay",
+                 "velocity", "velocity_before", "sent")
+
+    def __init__(self, grad, residual, positions, before, kept, hold, future, outputs=None):
+        self.grad = grad  # the gradient (the bucket buffer, or the joined buckets); receives the result
+        self.residual = residual  # float32 residual laid out like grad, or None without error feedback
+        self.positions = positions  # this rank's sent positions
+        self.before = before  # the residual at `positions` before the step
+        self.kept = kept  # what stays in the residual at `positions` (scaled units; None: 0)
+        self.hold = hold  # positions of parameters without a gradient this step (nothing sent, residual kept)
+        self.future = future  # -> Result
+        self.outputs = outputs  # global scope: the bucket buffers that receive `grad`'s chunks
+        self.decay = None  # float32 weight_decay * x laid out like grad, or None
+        self.velocity = None  # float32 velocity laid out like grad (momentum in the hook), or None
+        self.velocity_before = None  # the velocity at `positions` before the step
+        self.sent = None  # the float32 values this rank sent at `positions` (scaled units), for the velocity
+
+
+def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: Optional[bool] = None) -> None:
+    """``tensor.fill_(value)`` if the 0-dim bool ``flag`` is set.
+
+    On CPU the flag is read on the host (free there); on other devices a
+    broadcast ``masked_fill_`` avoids a host sync, which would stall the
+    backward pipeline.
+    """
+    if sync_free is None:
+        sync_free = flag.device.type != "cpu"
+    if sync_free:
+        tensor.masked_fill_(flag, value)
+    elif flag:
+        tensor.fill_(value)
+
+
+def _extremes(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-parameter ``(min, max)`` of a bucket's gradients, shape ``(2, P)``, float32.
+
+    One read pass, no host sync. NaN and inf propagate into the extremes, so
+    they reveal a non-finite gradient; ``min == max == 0`` marks a parameter
+    without a gradient at this step (DDP zero-fills unused parameters).
+    """
+    lows, highs = [], []
+    for g in gradients:
+        lo, hi = torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(()))
+        lows.append(lo)
+        highs.append(hi)
+    return torch.stack([torch.stack(lows), torch.stack(highs)]).float()
+
+
+def _compensated(grad: torch.Tensor, carried: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``p = g + S c`` in float32, ``c`` what the rank carries (residual, plus weight decay); ``S`` = 1 without a scaler."""
+    if carried is None:
+        return grad.float()
+    return torch.add(carried, grad) if scale is None else torch.addcmul(grad.float(), carried, scale)
+
+
+def _carried(residual: Optional[torch.Tensor], decay: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``e + d``: the residual plus the weight-decay term, either of which may be absent."""
+    if decay is None:
+        return residual
+    return decay if residual is None else residual + decay
+
+
+def _decay(state: SparsifyState, params: Sequence[torch.Tensor], layout, numel: int, device) -> Optional[torch.Tensor]:
+    """``weight_decay * x`` laid out like the bucket, in float32, or None without weight decay in the hook."""
     if state.weight_decay == 0.0:
-        return buffer
-    term = buffer.to(torch.float32, copy=True)
-    for param, (_, offset, n) in zip(bucket.parameters(), layout):
-        term[offset : offset + n].add_(param.detach().reshape(-1), alpha=state.weight_decay)
-    return term
+        return None
+    decay = torch.empty(numel, dtype=torch.float32, device=device)
+    for param, (_, offset, n) in zip(params, layout):
+        torch.mul(param.detach().reshape(-1), state.weight_decay, out=decay[offset:offset + n])
+    return decay
 
 
-def _compensated(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
-    """``p = g + e`` as float32 (``g``: :func:`_gradient_term`): the residual itself, updated in place, under error feedback."""
-    term = _gradient_term(state, bucket, layout)
-    if state.error_feedback:
-        buffer = bucket.buffer()
-        residual = state.residuals.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
-        return residual.add_(term)
-    return term if term.dtype == torch.float32 else term.float()
+def _shared_result(positions: torch.Tensor, received: torch.Tensor) -> Result:
+    def write(target):
+        target.zero_()
+        target.index_copy_(0, positions, received)
+
+    return ~torch.isfinite(received).all(), write
 
 
-def _bucket_velocity(state: SparsifyState, bucket: dist.GradBucket, layout) -> torch.Tensor:
-    buffer = bucket.buffer()
-    return state.velocities.bucket_residual(bucket.index(), layout, buffer.numel(), buffer.device)
-
-
-def _dense_warmup_term(state: SparsifyState, bucket: dist.GradBucket, layout) -> None:
-    """During warm-up with momentum or weight decay in the hook: send everything (the optimizer has neither).
-
-    Every position is sent, so with momentum the velocity steps everywhere:
-    ``w = m w + p``, and ``w`` is what the bucket carries.
-    """
-    buffer = bucket.buffer()
-    p = _compensated(state, bucket, layout)
-    send = p
-    if state.momentum > 0.0:
-        send = _bucket_velocity(state, bucket, layout).mul_(state.momentum).add_(p)
-    buffer.copy_(send)
-    if state.error_feedback:  # the residual keeps only what rounding to the bucket's dtype lost
-        if send is not p:
-            p.copy_(send)
-        p.sub_(buffer)
-
-
-def _sent_values(state: SparsifyState, p: torch.Tensor, velocity: Optional[torch.Tensor], positions: torch.Tensor):
-    """What leaves at ``positions``: ``p`` there, or with momentum the velocity stepped there, ``w = m w + p``.
-
-    The velocity moves only where something is sent: a coordinate that stays
-    behind keeps its velocity for its next send, so momentum counts sends, not
-    steps, and a burst that gathered many steps of gradient is not multiplied
-    by ``1 / (1 - m)`` again at every step it waited.
-    """
-    values = p.index_select(0, positions)
-    if velocity is not None:
-        values.add_(velocity.index_select(0, positions), alpha=state.momentum)
-        velocity.index_copy_(0, positions, values)
-    return values
-
-
-def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], target: torch.Tensor, step: int,
-              velocity: Optional[torch.Tensor] = None):
-    """Select, update the residual (and velocity), launch the collective; the future writes the mean into ``target``."""
-    group, world, rank = state._group, state._world_size, state._rank
-    shared = state.aggregation == "allreduce"
-    positions = select(state.method, p, units, state.density, state.seed, step, SHARED if shared else rank)
-    values = _sent_values(state, p, velocity, positions)
-    wire = values.to(target.dtype)
-    if state.error_feedback:
-        if wire.dtype == torch.float32:
-            p.index_fill_(0, positions, 0.0)
-        else:  # what rounding to the wire dtype lost stays in the residual
-            p.index_put_((positions,), values - wire.float())
-    wire.div_(world)  # divide before the collective, as PyTorch's allreduce_hook does
-    k = positions.numel()
-    sent = k * wire.element_size()
-
-    if shared:
-        state._stats.add(k, sent, target.numel(), target.numel() * target.element_size())
-
-        def write_shared(fut):
-            target.zero_()
-            target.index_copy_(0, positions, fut.value())
-            return target
-
-        return allreduce_sum(wire, group, world).then(write_shared)
-
+def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Tensor, value_dtype: torch.dtype,
+                     index_dtype: torch.dtype, rows: torch.Tensor) -> Result:
+    world, rank = state._world_size, state._rank
     if state.method == "topk":
-        index_dtype = torch.int32 if target.numel() < 2**31 else torch.int64
-        payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
-        sent += k * torch.empty((), dtype=index_dtype).element_size()
-    else:  # random positions are recomputed from (seed, step, unit, rank): values only
-        payload = wire
-    state._stats.add(k, sent, target.numel(), target.numel() * target.element_size())
+        value_bytes = positions.numel() * value_dtype.itemsize
+        values = rows[:, :value_bytes].view(value_dtype)
+        # clone(): a row's index bytes need not start at a multiple of the index size
+        parts = [(rows[r, value_bytes:].clone().view(index_dtype).long(), values[r]) for r in range(world)]
+    else:  # each rank's positions are recomputed from (seed, step, unit, rank)
+        values = rows
+        parts = [(positions if r == rank else select(state.method, rows, units, state.density, state.seed, step, r),
+                  rows[r]) for r in range(world)]
 
-    def write_gathered(fut):
-        rows = fut.value()
-        if state.method == "topk":
-            value_bytes = k * wire.element_size()
-            parts = [(row[value_bytes:].view(index_dtype).long(), row[:value_bytes].view(wire.dtype)) for row in rows]
-        else:
-            parts = [
-                (positions if r == rank else select(state.method, p, units, state.density, state.seed, step, r), rows[r])
-                for r in range(world)
-            ]
+    def write(target):
         accumulator = target if target.dtype == torch.float32 else torch.zeros(target.numel(), device=target.device)
         accumulator.zero_()
         # One index_add_ per rank, in rank order: positions within a rank are
@@ -168,42 +201,182 @@ def _exchange(state: SparsifyState, p: torch.Tensor, units: Sequence[Unit], targ
             accumulator.index_add_(0, where, vals.to(accumulator.dtype))
         if accumulator is not target:
             target.copy_(accumulator)
-        return target
 
-    return allgather(payload, group, world).then(write_gathered)
+    return ~torch.isfinite(values).all(), write
 
 
-def _global_exchange(state: SparsifyState, step: int):
-    """At the last bucket: select over all buckets of the step with one budget."""
-    entries = state._pending_global
-    state._pending_global = []
-    sizes = [buffer.numel() for _, buffer, _, _ in entries]
-    dtypes = {buffer.dtype for _, buffer, _, _ in entries}
-    joined = torch.cat([p for _, _, p, _ in entries])
-    target = torch.empty(joined.numel(), dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32,
-                         device=joined.device)
-    velocities = [state.velocities.flat(index) for index, _, _, _ in entries] if state.momentum > 0.0 else []
-    joined_velocity = torch.cat(velocities) if velocities else None
-    fut = _exchange(state, joined, [Unit(0, 0, joined.numel())], target, step, joined_velocity)
-    for velocity, chunk in zip(velocities, joined_velocity.split(sizes) if velocities else ()):
-        velocity.copy_(chunk)
-    if state.error_feedback:  # the residual update happened in `joined`: copy it back
-        for (_, _, p, _), chunk in zip(entries, joined.split(sizes)):
-            p.copy_(chunk)
+def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.Tensor], units: Sequence[Unit],
+            starts: torch.Tensor, extremes: torch.Tensor, step: int, decay: Optional[torch.Tensor] = None,
+            velocity: Optional[torch.Tensor] = None, everything: bool = False) -> _Flight:
+    """Select, pack and start the collective; the per-rank states are left untouched until :func:`_commit`.
 
-    def finish(f):
-        try:
-            for (_, buffer, _, _), chunk in zip(entries, f.value().split(sizes)):
+    ``everything``: send every position (a warm-up step with momentum or
+    weight decay in the hook).
+    """
+    group, world, rank = state._group, state._world_size, state._rank
+    shared = everything or state.aggregation == "allreduce"
+    who = SHARED if shared else rank
+    before = None
+    if state.method == "topk" and not everything:
+        p = _compensated(grad, _carried(residual, decay), state._scale)
+        positions = select("topk", p, units, state.density, state.seed, step, who)
+        values = p.index_select(0, positions)
+        del p
+        if residual is not None:
+            before = residual.index_select(0, positions)
+    else:  # the random selectors need no values: compensate only the chosen positions
+        if everything:
+            positions = torch.arange(grad.numel(), device=grad.device)
+        else:
+            positions = select(state.method, grad, units, state.density, state.seed, step, who)
+        if residual is not None:
+            before = residual.index_select(0, positions)
+        carried = _carried(before, None if decay is None else decay.index_select(0, positions))
+        values = _compensated(grad.index_select(0, positions), carried, state._scale)
+    velocity_before = None
+    if velocity is not None:  # momentum in sends: w = m w + p where this rank sends
+        velocity_before = velocity.index_select(0, positions)
+        scaled = velocity_before if state._scale is None else velocity_before * state._scale
+        values.add_(scaled, alpha=state.momentum)
+    low, high = extremes
+    hold = None
+    if residual is not None:
+        idle = (low == 0) & (high == 0)
+        if low.device.type != "cpu" or idle.any():  # (on CPU the host may look: usually no parameter is idle)
+            hold = idle[torch.searchsorted(starts, positions, right=True) - 1]
+            values.masked_fill_(hold, 0.0)
+    sent_values = None if velocity is None else values.clone()  # `wire` may be `values` itself, divided below
+    wire = values.to(grad.dtype)
+    kept = None if residual is None or wire.dtype == torch.float32 else values - wire.float()
+    # A non-finite gradient anywhere in this rank's bucket reaches every rank, even at unsent positions.
+    _fill_if(wire, ~(torch.isfinite(low).all() & torch.isfinite(high).all()), float("nan"))
+    wire.div_(world)  # divide before the collective, as PyTorch's allreduce_hook does
+    k = positions.numel()
+    sent_bytes = k * wire.element_size()
+    dense = (grad.numel(), grad.numel() * grad.element_size())
+
+    if shared:
+        state._stats.add(k, sent_bytes, *dense)
+        future = allreduce_sum(wire, group, world).then(lambda f: _shared_result(positions, f.value()))
+        return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values)
+
+    index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
+    if state.method == "topk":
+        payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
+        sent_bytes += k * index_dtype.itemsize
+    else:  # random positions are recomputed from (seed, step, unit, rank): values only
+        payload = wire
+    state._stats.add(k, sent_bytes, *dense)
+    future = allgather(payload, group, world).then(
+        lambda f: _gathered_result(state, units, step, positions, wire.dtype, index_dtype, f.value()))
+    return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values)
+
+
+def _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent):
+    flight = _Flight(grad, residual, positions, before, kept, hold, future)
+    flight.decay, flight.velocity, flight.velocity_before, flight.sent = decay, velocity, velocity_before, sent
+    return flight
+
+
+def _launch_global(state: SparsifyState, step: int) -> _Flight:
+    """At the last bucket: one budget over the concatenation of all buckets of the step."""
+    waiting, state._waiting = state._waiting, []
+    buffers = [buffer for buffer, _, _, _, _ in waiting]
+    grad = torch.cat(buffers)  # receives the joined result, copied back into the buffers at the end
+    layout, starts, shift = [], [], 0
+    for buffer, bucket_layout, bucket_starts, _, _ in waiting:
+        layout.extend((key, offset + shift, n) for key, offset, n in bucket_layout)
+        starts.append(bucket_starts + shift)
+        shift += buffer.numel()
+    layout = tuple(layout)
+    residual = velocity = None
+    if state.error_feedback:
+        residual = state.residuals.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
+    if state.momentum > 0.0:
+        velocity = state.velocities.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
+    extremes = torch.cat([e for _, _, _, e, _ in waiting], dim=1)
+    decay = None if state.weight_decay == 0.0 else torch.cat([d for _, _, _, _, d in waiting])
+    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], torch.cat(starts), extremes, step,
+                     decay, velocity)
+    flight.outputs = buffers
+    return flight
+
+
+def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> None:
+    """Fold the step's gradient into this rank's float32 states; a discarded step leaves them unchanged.
+
+    The one place where the per-rank states absorb a gradient, and so where
+    non-finite steps and the loss scale are handled for all of them: the
+    gradient (and the weight-decay term) is zeroed when the step is
+    discarded, and consumed times ``1/S``. Then ``e = e + g / S + d``
+    everywhere and, at the positions sent, what was not sent (0, or the
+    rounding to the wire dtype), and with momentum ``w = sent / S`` there;
+    held positions (parameters without a gradient) and discarded steps keep
+    ``e`` and ``w``.
+    """
+    e = flight.residual
+    if e is None:
+        return
+    grad = flight.grad
+    _fill_if(grad, discard, 0.0)  # the buffer is overwritten with the result next: zeroing it is free of copies
+    if inv_scale is None:
+        e.add_(grad)
+    else:
+        e.addcmul_(grad, inv_scale)
+    if flight.decay is not None:
+        _fill_if(flight.decay, discard, 0.0)
+        e.add_(flight.decay)
+    keep = discard if flight.hold is None else flight.hold | discard
+    if flight.kept is None:
+        left = torch.zeros((), dtype=e.dtype, device=e.device)
+    else:
+        left = flight.kept if inv_scale is None else flight.kept * inv_scale
+    # kept positions had no gradient added (a held parameter's is 0, a discarded step's was zeroed): e before
+    e.index_put_((flight.positions,), torch.where(keep, flight.before, left))
+    if flight.velocity is not None:
+        sent = flight.sent if inv_scale is None else flight.sent * inv_scale
+        flight.velocity.index_put_((flight.positions,), torch.where(keep, flight.velocity_before, sent))
+
+
+def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.Tensor]) -> None:
+    """End of the step, all exchanges done: one verdict for the step, then states and outputs."""
+    results = [flight.future.value() for flight in flights]
+    discard = torch.stack([bad for bad, _ in results]).any()  # the same on every rank: all saw the same data
+    state._count_nonfinite(discard)
+    inv_scale = None if scale is None else scale.reciprocal()
+    for flight, (_, write) in zip(flights, results):
+        _update_states(flight, discard, inv_scale)
+        write(flight.grad)
+        if flight.outputs is not None:
+            for buffer, chunk in zip(flight.outputs, flight.grad.split([b.numel() for b in flight.outputs])):
                 buffer.copy_(chunk)
-        except Exception as exc:
-            for _, _, _, pending in entries[:-1]:
-                pending.set_exception(exc)
-            raise
-        for _, buffer, _, pending in entries[:-1]:
-            pending.set_result(buffer)
-        return entries[-1][1]
 
-    return fut.then(finish)
+
+def _wait_for_last(state: SparsifyState, buffer: torch.Tensor) -> torch.futures.Future:
+    """The future of a bucket that is not the last: ``buffer`` once the step is committed, or the step's error."""
+    def after_commit(step_done):
+        step_done.value()  # raises the step's error, so DDP sees a failed future, not a value
+        return buffer
+
+    return state._step_done.then(after_commit)
+
+
+def _finish_step(state: SparsifyState, last_buffer: torch.Tensor) -> torch.futures.Future:
+    """At the last bucket: once every exchange of the step has finished, commit and complete all futures."""
+    flights, step_done, scale = state._flights, state._step_done, state._scale
+    state._flights = []
+
+    def commit(all_done):
+        try:
+            all_done.value()  # the first failed exchange's error; collect_all may end before the others finish
+            _commit(state, flights, scale)
+        except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
+            step_done.set_exception(exc)
+            raise
+        step_done.set_result(None)
+        return last_buffer
+
+    return torch.futures.collect_all([flight.future for flight in flights]).then(commit)
 
 
 # No `from __future__ import annotations` in this module: DDP's register_comm_hook
@@ -221,41 +394,47 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
 
     Returns:
         A future holding ``bucket.buffer()``, overwritten with the average over
-        ranks of each rank's sparsified compensated gradient.
+        ranks of each rank's sparsified compensated gradient. It completes
+        when the step's last bucket has been exchanged.
     """
+    check_hook_call("sparsify_hook", state, SparsifyState, bucket)
     state._bind(bucket)
-    buffer = bucket.buffer()
-    last = bucket.is_last()
-    if bucket.index() == 0 and state._pending_global:
-        state._pending_global = []  # left over from a backward that raised
+    index, buffer, last = bucket.index(), bucket.buffer(), bucket.is_last()
+    if index == 0:  # DDP hands buckets over in index order
+        state._begin_step(buffer.device)
     # Parameter keys are assigned at the very first call, warm-up included, so
     # that a resumed run (which starts on DDP's initial buckets) numbers the
     # parameters exactly as the uninterrupted run did.
-    layout = state._layout(bucket)
-    if state.step < state.warmup_steps:
+    layout, starts = state._layout(bucket)
+    dense = state.step < state.warmup_steps
+    if dense and state.momentum == 0.0 and state.weight_decay == 0.0:
         n = buffer.numel()
         state._stats.add(n, n * buffer.element_size(), n, n * buffer.element_size())
-        if state.momentum > 0.0 or state.weight_decay > 0.0:
-            _dense_warmup_term(state, bucket, layout)
         fut = allreduce_mean(buffer, state._group, state._world_size)
         if last:
-            state._end_step(bucket.index(), compressed=False)
+            state._end_step(index, compressed=False)
         return fut
-    step = state.step
-    p = _compensated(state, bucket, layout)
-    velocity = _bucket_velocity(state, bucket, layout) if state.momentum > 0.0 else None
-    if state.scope == "global":
-        pending: torch.futures.Future = torch.futures.Future()
-        state._pending_global.append((bucket.index(), buffer, p, pending))
+    extremes = _extremes(bucket.gradients())
+    decay = _decay(state, bucket.parameters(), layout, buffer.numel(), buffer.device)
+    if state.scope == "global" and not dense:
+        state._waiting.append((buffer, layout, starts, extremes, decay))
         if not last:
-            return pending
-        fut = _global_exchange(state, step)
+            return _wait_for_last(state, buffer)
+        state._flights.append(_launch_global(state, state.step))
     else:
+        residual = velocity = None
+        if state.error_feedback:
+            residual = state.residuals.bucket_residual(index, layout, buffer.numel(), buffer.device)
+        if state.momentum > 0.0:
+            velocity = state.velocities.bucket_residual(index, layout, buffer.numel(), buffer.device)
         if state.scope == "layer":
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout]
         else:
-            units = [Unit(bucket.index(), 0, buffer.numel())]
-        fut = _exchange(state, p, units, buffer, step, velocity)
-    if last:
-        state._end_step(bucket.index(), compressed=True)
+            units = [Unit(index, 0, buffer.numel())]
+        state._flights.append(_launch(state, buffer, residual, units, starts, extremes, state.step, decay, velocity,
+                                      everything=dense))
+        if not last:
+            return _wait_for_last(state, buffer)
+    fut = _finish_step(state, buffer)
+    state._end_step(index, compressed=not dense)
     return fut

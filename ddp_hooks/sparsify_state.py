@@ -10,7 +10,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._validate import check_bool, check_choice, check_float, check_int, check_process_group
+from ._validate import check_bool, check_choice, check_float, check_group_ready, check_int, check_process_group
+from .collectives import check_same_on_all_ranks
 from .residuals import Layout, ResidualStore
 from .selection import METHODS
 from .stats import CommStats
@@ -74,6 +75,23 @@ class SparsifyState:
             rank's gradient in the hook, before error feedback and momentum,
             as ``torch.optim.SGD`` adds it before its momentum; with
             ``momentum`` > 0 use it instead of the optimizer's.
+        grad_scaler (torch.amp.GradScaler): the scaler of an AMP run, or
+            ``None``. Gradients reach the hook multiplied by the loss scale
+            ``S``, which the scaler changes between steps; with the scaler
+            given, the per-rank states are kept unscaled (``e`` in gradient
+            units, ``p = g + S * e``), so a change of ``S`` cannot leave a
+            stale factor ``S_new / S_old`` in them. Without it they hold
+            scaled values: fine without AMP or with a constant scale. The
+            scaler is not part of :meth:`state_dict` or of a pickle: give it
+            again when resuming.
+
+    Non-finite gradients (an AMP overflow, a NaN): when any rank's gradient
+    holds inf or NaN at a step, every rank's output for that step is made
+    non-finite (so ``GradScaler`` skips the step on every rank, as with a
+    dense allreduce), and every rank's residuals keep their values from
+    before the step: the step's gradient is discarded as a skipped step
+    discards a dense one. The step counter still advances on every rank alike.
+    ``stats()["nonfinite_steps"]`` counts such steps.
 
     The error-feedback recursion (Eghlidi & Jaggi 2020, arXiv 2009.09271;
     residual ``e`` starts at 0 and is kept per rank in float32):
@@ -124,14 +142,18 @@ class SparsifyState:
     __slots__ = (
         # options, fixed at construction
         "process_group", "method", "density", "scope", "aggregation", "error_feedback",
-        "warmup_steps", "seed", "momentum", "weight_decay",
+        "warmup_steps", "seed", "momentum", "weight_decay", "grad_scaler",
         # the step counter: advances once per backward, on the last bucket
         "step",
-        # error feedback, momentum correction and counters
-        "residuals", "velocities", "_stats",
+        # error feedback, momentum correction and counters; steps whose gradient was discarded
+        # (0-dim tensor, or None)
+        "residuals", "velocities", "_stats", "_nonfinite",
         # bound lazily at the first hook call
         "_group", "_rank", "_world_size", "_checked",
-        "_param_keys", "_layouts", "_pending_global", "_loaded_meta",
+        "_param_keys", "_layouts", "_loaded_meta", "_loaded_keys",
+        # within one backward: the loss scale, exchanges in flight, the step's completion (which
+        # the buckets' futures follow), buckets waiting for the last one (global scope)
+        "_scale", "_flights", "_step_done", "_waiting",
         # the optimizer check installed at the first hook call holds only a weak reference
         "__weakref__",
     )
@@ -148,6 +170,7 @@ class SparsifyState:
         seed: int = 0,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        grad_scaler: Optional["torch.amp.GradScaler"] = None,
     ) -> None:
         check_process_group("process_group", process_group)
         self.method = check_choice("method", method, METHODS, "the coordinate selector")
@@ -169,6 +192,10 @@ class SparsifyState:
                 f"`momentum`={self.momentum!r} needs `error_feedback`=True: the hook's velocity is what error "
                 "feedback accumulates; without error feedback keep momentum in the optimizer (momentum=0 here)"
             )
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"`grad_scaler` must be None or a torch.amp.GradScaler, got {type(grad_scaler).__name__}; "
+                            "the hook reads the loss scale from it to keep the residuals unscaled")
+        self.grad_scaler = grad_scaler
         if self.method == "topk" and self.aggregation == "allreduce":
             raise ValueError(
                 "`aggregation`='allreduce' cannot be used with `method`='topk': each rank's top-k entries sit "
@@ -182,14 +209,19 @@ class SparsifyState:
         self.residuals = ResidualStore()
         self.velocities = ResidualStore()  # per rank, like the residuals; used when momentum > 0
         self._stats = CommStats()
+        self._nonfinite: Optional[torch.Tensor] = None
         self._group = None
         self._rank = 0
         self._world_size = 1
         self._checked = False
         self._param_keys: Dict[int, int] = {}
-        self._layouts: Dict[int, Tuple[Tuple[int, ...], Layout]] = {}
-        self._pending_global: list = []
+        self._layouts: Dict[int, Tuple[Tuple[int, ...], Layout, torch.Tensor]] = {}
         self._loaded_meta: Optional[Dict[str, int]] = None
+        self._loaded_keys: Optional[set] = None
+        self._scale: Optional[torch.Tensor] = None
+        self._flights: list = []
+        self._step_done: Optional[torch.futures.Future] = None
+        self._waiting: list = []
 
     # ----- options as ints, for checkpoints and the cross-rank check -----
     def _config_ints(self) -> Dict[str, int]:
@@ -217,15 +249,8 @@ class SparsifyState:
     def _bind(self, bucket: dist.GradBucket) -> None:
         if self._checked:
             return
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("sparsify_hook was called but torch.distributed has no process group; "
-                               "call torch.distributed.init_process_group before training")
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
         device = bucket.buffer().device
-        backend = str(dist.get_backend(group))
-        if device.type == "cpu" and backend == "nccl":
-            raise RuntimeError(f"gradients are on the CPU but the process group's backend is {backend!r}, "
-                               "which only moves GPU tensors; use a gloo group for CPU training")
+        group = check_group_ready(self.process_group, device, "sparsify_hook")
         self._group = group
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
@@ -240,21 +265,13 @@ class SparsifyState:
 
     def _check_same_config_on_all_ranks(self, device: torch.device) -> None:
         """One small allgather at the first step: every rank fails alike on a mismatch."""
-        if self._world_size == 1:
-            return
-        mine = torch.tensor(list(self._config_ints().values()), dtype=torch.int64, device=device)
-        rows = [torch.empty_like(mine) for _ in range(self._world_size)]
-        dist.all_gather(rows, mine, group=self._group)
-        names = list(self._config_ints())
-        for r, row in enumerate(rows):
-            if not torch.equal(row, rows[0]):
-                theirs = dict(zip(names, row.tolist()))
-                first = dict(zip(names, rows[0].tolist()))
-                raise ValueError(
-                    "ranks were built with different SparsifyState options: rank 0 has "
-                    f"{self._describe(first)} but rank {r} has {self._describe(theirs)}; "
-                    "every rank must select and aggregate alike"
-                )
+        settings = {**self._config_ints(), "grad_scaler": int(self.grad_scaler is not None)}
+
+        def describe(s):
+            return f"{self._describe(s)}, grad_scaler={'given' if s['grad_scaler'] else 'None'}"
+
+        check_same_on_all_ranks(settings, self._group, self._world_size, device, "SparsifyState options",
+                                "every rank must select and aggregate alike", describe)
 
     def _check_loaded_meta(self) -> None:
         meta = self._loaded_meta
@@ -272,12 +289,13 @@ class SparsifyState:
                              "each rank must load its own file, since residuals differ per rank")
 
     # ----- the layout of a bucket: (parameter key, offset, numel) -----
-    def _layout(self, bucket: dist.GradBucket) -> Layout:
+    def _layout(self, bucket: dist.GradBucket) -> Tuple[Layout, torch.Tensor]:
+        """The bucket's layout and, on its device, the offsets where its parameters start (increasing)."""
         params = bucket.parameters()
         ids = tuple(id(p) for p in params)
         cached = self._layouts.get(bucket.index())
         if cached is not None and cached[0] == ids:
-            return cached[1]
+            return cached[1], cached[2]
         buffer = bucket.buffer()
         base, size = buffer.data_ptr(), buffer.element_size()
         layout = []
@@ -285,8 +303,27 @@ class SparsifyState:
             key = self._param_keys.setdefault(id(p), len(self._param_keys))
             layout.append((key, (g.data_ptr() - base) // size, g.numel()))
         layout = tuple(layout)
-        self._layouts[bucket.index()] = (ids, layout)
-        return layout
+        offsets = [offset for _, offset, _ in layout]
+        if offsets != sorted(offsets):  # the hook maps positions to parameters by binary search
+            raise RuntimeError(f"DDP bucket {bucket.index()} lays out its parameters at offsets {offsets}, "
+                               "not in increasing order; sparsify_hook cannot map positions to parameters")
+        starts = torch.tensor(offsets, dtype=torch.int64, device=buffer.device)
+        self._layouts[bucket.index()] = (ids, layout, starts)
+        return layout, starts
+
+    def _begin_step(self, device: torch.device) -> None:
+        """At the first bucket of a backward: drop leftovers of a backward that raised; read the loss scale."""
+        self._flights, self._waiting = [], []
+        self._step_done = torch.futures.Future()
+        scaler = self.grad_scaler
+        # GradScaler.scale(t) is t * S on t's device: S as a tensor, without a host sync.
+        self._scale = None if scaler is None else scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+
+    def _count_nonfinite(self, bad: torch.Tensor) -> None:
+        if self._nonfinite is None or self._nonfinite.device != bad.device:
+            start = 0 if self._nonfinite is None else self._nonfinite.item()  # once, after a load
+            self._nonfinite = torch.tensor(start, dtype=torch.int64, device=bad.device)
+        self._nonfinite.add_(bad)
 
     def _end_step(self, last_index: int, compressed: bool) -> None:
         self.step += 1
@@ -302,11 +339,26 @@ class SparsifyState:
                     f"the loaded hook state holds {what} for parameters {store.pending_keys} that this "
                     "model does not have: the state was saved from a different model"
                 )
+        if compressed and self._loaded_keys:
+            extra = sorted(set(self._param_keys.values()) - self._loaded_keys)
+            if extra:
+                raise ValueError(
+                    f"this model has parameters {extra} for which the loaded hook state holds no residual: "
+                    "the state was saved from a different model"
+                )
+            self._loaded_keys = None  # checked once, at the first compressed step after loading
 
     # ----- public API -----
     def stats(self) -> Dict[str, float]:
-        """Counts since the start: steps, elements and bytes sent vs dense, and their ratio."""
-        return self._stats.as_dict()
+        """Counts since the start: steps, elements and bytes sent vs dense, their ratio, discarded steps.
+
+        ``nonfinite_steps`` counts the compressed steps whose gradient held
+        inf or NaN on some rank (reading it waits for the device on CUDA).
+        """
+        return {**self._stats.as_dict(), "nonfinite_steps": self._nonfinite_steps()}
+
+    def _nonfinite_steps(self) -> int:
+        return 0 if self._nonfinite is None else int(self._nonfinite)
 
     def state_dict(self) -> Dict[str, Any]:
         """Step, residuals and velocities (this rank's), counters and options; tensors and ints only.
@@ -314,7 +366,7 @@ class SparsifyState:
         Loads with ``torch.load(..., weights_only=True)``. Residuals differ per
         rank: every rank saves and loads its own.
         """
-        if self._pending_global:
+        if self._flights or self._waiting:
             raise RuntimeError("state_dict() was called in the middle of a backward pass")
         return {
             "version": _STATE_VERSION,
@@ -325,6 +377,7 @@ class SparsifyState:
             "residuals": self.residuals.state() if self.error_feedback else {},
             "velocities": self.velocities.state() if self.momentum > 0.0 else {},
             "stats": self._stats.state_dict(),
+            "nonfinite_steps": self._nonfinite_steps(),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any], residuals: bool = True) -> None:
@@ -354,8 +407,11 @@ class SparsifyState:
         check_int("state_dict['step']", state_dict["step"], 0)
         self.step = state_dict["step"]
         self._stats.load_state_dict(state_dict["stats"])
+        nonfinite = state_dict.get("nonfinite_steps", 0)  # absent in states saved before it was counted
+        self._nonfinite = None if not nonfinite else torch.tensor(check_int("nonfinite_steps", nonfinite, 0))
         self.residuals.load(state_dict["residuals"] if residuals else {})
         self.velocities.load(state_dict.get("velocities", {}) if residuals else {})
+        self._loaded_keys = {int(k) for k in state_dict["residuals"]} if residuals else None
         self._layouts.clear()
         self._loaded_meta = {"rank": state_dict["rank"], "world_size": state_dict["world_size"]} if residuals else None
         if self._checked:

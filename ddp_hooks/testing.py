@@ -54,11 +54,19 @@ __all__ = [
 
 
 class ChildFailedError(RuntimeError):
-    """A child process failed without an exception that could be re-raised."""
+    """A child process failed without an exception that could be re-raised.
 
-    def __init__(self, rank: int, message: str):
+    ``reports`` maps every rank to what it reported before the run ended:
+    ``None`` (nothing: it died silently, or was still running and was
+    killed), or a dict with ``ok`` and, for a failure, ``type``, ``message``
+    and ``failed_at`` (``time.time()`` when it raised). Tests of failure
+    handling read it to see how the *other* ranks ended.
+    """
+
+    def __init__(self, rank: int, message: str, reports: Optional[dict] = None):
         super().__init__(f"rank {rank}: {message}")
         self.rank = rank
+        self.reports = reports or {}
 
 
 class RemoteTraceback(Exception):
@@ -157,6 +165,8 @@ def run_distributed(
     *args: Any,
     timeout: float = 120.0,
     backend: str = "gloo",
+    collective_timeout: Optional[float] = None,
+    grace: float = 2.0,
     **kwargs: Any,
 ) -> List[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
@@ -169,8 +179,12 @@ def run_distributed(
         world_size (int): number of processes, >= 1.
         *args, **kwargs: passed to ``fn``; must be picklable.
         timeout (float): seconds for the whole run, also used as the process
-            group's collective timeout.
+            group's collective timeout unless ``collective_timeout`` is given.
         backend (str): ``torch.distributed`` backend.
+        collective_timeout (float): the process group's timeout, in seconds.
+        grace (float): once a rank has failed, seconds the others get to
+            report before they are killed (a test of failure handling gives
+            them the collective timeout and more).
 
     Returns:
         The list of the ranks' return values, indexed by rank.
@@ -191,8 +205,11 @@ def run_distributed(
 
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"`world_size` must be an int >= 1, got {world_size!r}")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"`timeout` must be a positive number of seconds, got {timeout!r}")
+    for name, value in (("timeout", timeout), ("collective_timeout", collective_timeout), ("grace", grace)):
+        if value is None and name == "collective_timeout":
+            continue
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"`{name}` must be a positive number of seconds, got {value!r}")
     ctx = multiprocessing.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="ddp_hooks_run_")
     store_path = os.path.join(workdir, "store")
@@ -201,7 +218,8 @@ def run_distributed(
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child_main,
-                args=(fn, rank, world_size, store_path, workdir, backend, timeout, args, kwargs),
+                args=(fn, rank, world_size, store_path, workdir, backend, collective_timeout or timeout, args,
+                      kwargs),
                 daemon=True,
             )
             p.start()
@@ -232,27 +250,29 @@ def run_distributed(
             procs[alive[0]].join(0.05)
         if failed_rank is not None:
             # Give the others a moment to report their own errors, then stop them.
-            grace = time.monotonic() + 2.0
+            until = time.monotonic() + grace
             for p in procs:
-                p.join(max(0.0, grace - time.monotonic()))
-            for p in procs:
+                p.join(max(0.0, until - time.monotonic()))
+            killed = set()
+            for r, p in enumerate(procs):
                 if p.is_alive():
                     p.kill()
+                    killed.add(r)
                 p.join()
-            # Report the rank that failed first: the others usually fail
-            # because it left (gloo's "Connection closed by peer").
             reports = {r: _read_result(workdir, r) for r in range(world_size)}
-            errors = {r: res for r, res in reports.items() if res is not None and not res["ok"]}
-            if reports[failed_rank] is not None and errors:
-                # (a rank that died silently is itself the likely cause: keep it)
-                failed_rank = min(errors, key=lambda r: errors[r]["failed_at"])
-            res = reports[failed_rank]
-            if res is None:
+            silent = [r for r in range(world_size) if reports[r] is None and r not in killed]
+            if silent:  # a rank that died without a word is the likely cause of the others' errors
+                r = silent[0]
                 raise ChildFailedError(
-                    failed_rank,
-                    f"exited with code {procs[failed_rank].exitcode} without reporting a result",
+                    r, f"exited with code {procs[r].exitcode} without reporting a result",
+                    {q: None if rep is None else {k: rep.get(k) for k in ("ok", "type", "message", "failed_at")}
+                     for q, rep in reports.items()},
                 )
-            _raise_child_error(failed_rank, res)
+            # Else report the rank that failed first: the others usually fail
+            # because it left (gloo's "Connection closed by peer").
+            errors = {r: res for r, res in reports.items() if res is not None and not res["ok"]}
+            first = min(errors, key=lambda r: errors[r]["failed_at"])
+            _raise_child_error(first, errors[first])
         results = []
         for r, p in enumerate(procs):
             p.join()

@@ -185,8 +185,11 @@ def _bucket_nbytes(bucket, ratio: float = 1.0) -> int:
     return int(buffer.numel() * buffer.element_size() * ratio)
 
 
-def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None) -> Exchange:
-    """The comm hook of ``args.hook`` with its state, wrapped in an :class:`Exchange`."""
+def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad_scaler=None) -> Exchange:
+    """The comm hook of ``args.hook`` with its state, wrapped in an :class:`Exchange`.
+
+    ``grad_scaler``: the AMP scaler, given to the sparsifier so that its residuals stay unscaled.
+    """
     warmup = hook_warmup_steps(args)
     if args.hook == "allreduce":
         return Exchange("allreduce", process_group, default_hooks.allreduce_hook,
@@ -215,7 +218,7 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None) -> E
         state = SparsifyState(
             process_group=process_group, method=args.method, density=args.density, scope=args.scope,
             aggregation=args.aggregation, error_feedback=not args.no_error_feedback,
-            warmup_steps=warmup, seed=args.hook_seed,
+            warmup_steps=warmup, seed=args.hook_seed, grad_scaler=grad_scaler,
             momentum=args.momentum if in_hook else 0.0, weight_decay=args.weight_decay if in_hook else 0.0,
         )
         return Exchange("sparsify", state, sparsify_hook, sent_counter=lambda s: s.stats()["bytes_sent"])

@@ -57,12 +57,15 @@ class PhaseTimer:
 
 
 class MetricsFile:
-    """Appends one JSON line per epoch to ``path``; on resume it first drops lines of epochs not yet done."""
+    """Appends one JSON line per epoch to ``path``; on resume it first drops lines of epochs not yet done.
+
+    A last line cut short (the run was killed while writing it) is dropped too.
+    """
 
     def __init__(self, path: str, resume_epoch: int = 0):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        kept = [r for r in read_metrics(path) if r["epoch"] <= resume_epoch] if (
+        kept = [r for r in read_metrics(path, torn_tail_ok=True) if r["epoch"] <= resume_epoch] if (
             resume_epoch and os.path.exists(path)) else []
         with open(path, "w") as f:
             for record in kept:
@@ -75,10 +78,18 @@ class MetricsFile:
         self.records.append(record)
 
 
-def read_metrics(path: str) -> List[dict]:
-    """The records of a metrics file, in order."""
+def read_metrics(path: str, torn_tail_ok: bool = False) -> List[dict]:
+    """The records of a metrics file, in order; with ``torn_tail_ok``, an unreadable last line is skipped."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if not (torn_tail_ok and i == len(lines) - 1):
+                raise
+    return records
 
 
 def format_bytes(n: float) -> str:

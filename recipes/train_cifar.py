@@ -12,9 +12,12 @@ refused by :func:`validate_args` before any process group starts.
 Every epoch writes, under ``--out-dir``: one JSON line in ``metrics.jsonl``
 (see ``run_metrics.TIME_FIELDS``) and one checkpoint per rank,
 ``checkpoint-rank{R}.pt`` (model, optimizer, hook state with this rank's
-error-feedback residuals, AMP scaler, epoch, step, RNG states). ``--resume``
-continues from them on the same number of ranks: N epochs, or K epochs +
-resume + N-K epochs, give bitwise the same parameters on CPU.
+error-feedback residuals, AMP scaler, epoch, step, RNG states); the one
+before it stays as ``checkpoint-rank{R}.prev.pt``. ``--resume`` continues
+from the latest epoch whose checkpoint every rank has, on the same number of
+ranks: N epochs, or K epochs + resume + N-K epochs, give bitwise the same
+parameters on CPU, also after a run killed at any moment (mid-epoch, or
+between two ranks' saves).
 """
 
 from __future__ import annotations
@@ -307,9 +310,10 @@ class Trainer:
         torch.manual_seed(args.seed)
         model = build_model(args.model, len(self.train_set.classes), args.width).to(device)
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        self.exchange = build_exchange(args)
-        self.optimizer = build_optimizer(args, self.ddp.parameters(), self.exchange)
         self.scaler = torch.amp.GradScaler("cuda", enabled=args.amp)
+        # The sparsifier keeps its residuals unscaled when it knows the AMP loss scale.
+        self.exchange = build_exchange(args, grad_scaler=self.scaler if args.amp else None)
+        self.optimizer = build_optimizer(args, self.ddp.parameters(), self.exchange)
         self.timer = PhaseTimer(device)
         self.epoch = 0  # epochs done
         self.step = 0  # optimizer steps done
@@ -322,8 +326,8 @@ class Trainer:
             self.metrics = MetricsFile(os.path.join(args.out_dir, "metrics.jsonl"), resume_epoch=self.epoch)
 
     # ----- checkpoints -----
-    def _snapshot_path(self, rank: int) -> str:
-        return os.path.join(self.args.out_dir, f"checkpoint-rank{rank}.pt")
+    def _snapshot_path(self, rank: int, previous: bool = False) -> str:
+        return os.path.join(self.args.out_dir, f"checkpoint-rank{rank}{'.prev' if previous else ''}.pt")
 
     def _run_config(self) -> dict:
         a = self.args
@@ -350,25 +354,42 @@ class Trainer:
         os.makedirs(self.args.out_dir, exist_ok=True)
         path = self._snapshot_path(self.rank)
         torch.save(snapshot, path + ".tmp")
+        if os.path.exists(path):  # a kill between two ranks' saves still leaves an epoch that every rank has
+            os.replace(path, self._snapshot_path(self.rank, previous=True))
         os.replace(path + ".tmp", path)
 
-    def _load_snapshot(self) -> None:
-        path = self._snapshot_path(self.rank)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"--resume: no checkpoint {path} for rank {self.rank}")
-        snap = torch.load(path, map_location=self.device, weights_only=True)
-        if snap["version"] != CHECKPOINT_VERSION:
-            raise ValueError(f"{path}: checkpoint version {snap['version']} is not {CHECKPOINT_VERSION}")
+    def _readable_snapshots(self) -> dict:
+        """This rank's checkpoints that fit this run, by epoch; reasons for those that do not."""
+        found, refused = {}, []
         mine = self._run_config()
-        diff = {k: (snap["config"].get(k), v) for k, v in mine.items() if snap["config"].get(k) != v}
-        if diff:
-            raise ValueError(f"--resume: {path} was written by another configuration (saved, now): {diff}")
-        # Every rank must resume from the same epoch (a crash between two ranks' saves would break this).
-        epochs = torch.tensor([snap["epoch"], -snap["epoch"]], device=self.device)
-        dist.all_reduce(epochs, op=dist.ReduceOp.MAX)
-        if epochs[0].item() != -epochs[1].item():
-            raise ValueError(f"--resume: the ranks' checkpoints are from different epochs "
-                             f"({-epochs[1].item()}..{epochs[0].item()}); restart or restore a consistent set")
+        for path in (self._snapshot_path(self.rank), self._snapshot_path(self.rank, previous=True)):
+            if not os.path.exists(path):
+                continue
+            snap = torch.load(path, map_location=self.device, weights_only=True)
+            diff = {k: (snap["config"].get(k), v) for k, v in mine.items() if snap["config"].get(k) != v}
+            if snap["version"] != CHECKPOINT_VERSION:
+                refused.append(f"{path}: checkpoint version {snap['version']} is not {CHECKPOINT_VERSION}")
+            elif diff:
+                refused.append(f"{path} was written by another configuration (saved, now): {diff}")
+            else:
+                found[snap["epoch"]] = snap
+        return {"found": found, "refused": refused}
+
+    def _load_snapshot(self) -> None:
+        """Load the latest epoch whose checkpoint every rank has; every rank raises alike if there is none."""
+        readable = self._readable_snapshots()
+        epochs = sorted(readable["found"], reverse=True)[:2]
+        mine = torch.tensor(epochs + [-1] * (2 - len(epochs)), device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine)  # before any rank may raise: a rank raising alone would leave the others waiting
+        held = [set(row.tolist()) - {-1} for row in rows]
+        common = set.intersection(*held)
+        if not common:
+            raise ValueError(
+                f"--resume: no epoch has a checkpoint on every rank in {self.args.out_dir} (epochs per rank: "
+                f"{[sorted(h) for h in held]}); this rank: {'; '.join(readable['refused']) or 'no refused file'}"
+            )
+        snap = readable["found"][max(common)]
         # After DDP's construction, which copied rank 0's weights to all ranks:
         # local SGD's replicas differ, so each rank loads its own.
         self.ddp.module.load_state_dict(snap["model"])
@@ -507,10 +528,12 @@ class Trainer:
                           optimizer=a.optimizer, model=a.model, world_size=self.world_size,
                           device=self.device.type)
             self.epoch += 1
-            if a.out_dir is not None:
-                self._save_snapshot()
+            # Metrics first: a kill between the two makes --resume redo this epoch, and the
+            # resumed run drops the line (MetricsFile keeps the epochs of the checkpoint).
             if self.metrics is not None:
                 self.metrics.write(record)
+            if a.out_dir is not None:
+                self._save_snapshot()
             records.append(record)
             logger.info("epoch %d: train loss %.4f, test loss %.4f, test accuracy %.2f%%", record["epoch"],
                         record["train_loss"], record["test_loss"], 100 * record["test_accuracy"])

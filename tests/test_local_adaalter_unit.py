@@ -159,3 +159,68 @@ def test_state_dicts_load_with_weights_only_and_resume_exactly():
     assert torch.equal(w.detach(), full)
     with pytest.raises(ValueError, match="no 'schedule' entry"):
         opt2.load_state_dict(torch.optim.SGD([w], lr=1.0).state_dict())
+
+
+def _saved(period=3, warmup=1, steps=5, world_size=2, rank=1, shape=(3, 2)):
+    """A LocalAdaAlter state dict as rank `rank` of `world_size` would have saved it after `steps` steps."""
+    _, opt = _run_opt(torch.zeros(shape), _grads(steps, shape=shape), lr=0.5, eps=1.0, period=period,
+                      warmup_steps=warmup)
+    return {**opt.state_dict(), "world_size": world_size, "rank": rank}
+
+
+def test_state_saved_between_averagings_loads_only_on_its_own_rank_and_world_size():
+    sd = _saved(steps=5)  # warm-up step 1, averagings after steps 4 and 7: step 5 is between two
+    assert (sd["schedule"]["step"], sd["schedule"]["last_sync"]) == (5, 4)
+    fresh = LocalAdaAlter([torch.nn.Parameter(torch.zeros(3, 2))], lr=0.5, eps=1.0, period=3, warmup_steps=1)
+    with pytest.raises(ValueError, match=r"saved by rank 1 of 2 between two averagings \(step 5, last averaged at "
+                                         r"4\), and this is rank 0 of 1: its local accumulators belong to that rank"):
+        fresh.load_state_dict(sd)
+    assert fresh.schedule.step == 0  # refused before anything changed
+    fresh.load_state_dict({**sd, "world_size": 1, "rank": 0})  # the rank that saved it: fine
+    assert fresh.schedule.step == 5
+
+
+def test_state_saved_at_an_averaging_loads_on_any_number_of_ranks():
+    for steps in (1, 4):  # a warm-up step, an averaging step: step == last_sync, all ranks hold the same state
+        sd = _saved(steps=steps, world_size=4, rank=3)
+        assert sd["schedule"]["step"] == sd["schedule"]["last_sync"] == steps
+        fresh = LocalAdaAlter([torch.nn.Parameter(torch.zeros(3, 2))], lr=0.5, eps=1.0, period=3, warmup_steps=1)
+        fresh.load_state_dict(sd)
+        assert fresh.schedule.step == steps
+
+
+def test_state_of_another_model_is_refused_before_anything_changes():
+    sd = _saved(steps=4, shape=(3, 2))
+    other = LocalAdaAlter([torch.nn.Parameter(torch.zeros(2, 3))], lr=0.5, eps=1.0, period=3, warmup_steps=1)
+    with pytest.raises(ValueError, match=r"state 'sum_sq' of parameter #0 has shape \(3, 2\) but the parameter has "
+                                         r"shape \(2, 3\): the state was saved from a different model"):
+        other.load_state_dict(sd)
+    assert other.schedule.step == 0
+    two = LocalAdaAlter([torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(1))], period=3,
+                        warmup_steps=1)
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):  # torch's own check
+        two.load_state_dict(sd)
+    assert two.schedule.step == 0
+
+
+def test_hook_state_holds_only_the_schedule_and_loads_on_any_number_of_ranks():
+    hook = LocalSGDState(warmup_steps=2)
+    assert set(hook.state_dict()) == {"schedule", "allreduce_calls"}  # no per-rank or per-parameter entry
+
+
+def test_builders_refuse_a_model_that_is_not_ddp():
+    from ddp_hooks import build_local_adaalter, build_local_sgd, build_sync_adagrad
+
+    for build in (build_local_adaalter, build_sync_adagrad, build_local_sgd):
+        with pytest.raises(TypeError, match="`ddp_model` must be a DistributedDataParallel model, got Linear"):
+            build(torch.nn.Linear(2, 1))
+    assert not dist.is_initialized()
+
+
+def test_float16_parameters_are_refused_with_the_reason():
+    with pytest.raises(TypeError, match="LocalAdaAlter got a float16 parameter: .* float16 overflows to inf at 65504"):
+        LocalAdaAlter([torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))])
+    opt = LocalAdaAlter([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+    with pytest.raises(TypeError, match="float16 parameter"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))]})
+    assert len(opt.param_groups) == 1  # the refused group was not kept

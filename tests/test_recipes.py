@@ -95,6 +95,15 @@ def test_sparsify_with_sgd_momentum_pairs_hook_and_optimizer(argv, hook_momentum
         assert getattr(exchange.state, "momentum", 0.0) == 0.0
 
 
+def test_amp_scaler_reaches_the_sparsifier():
+    import comm_setup
+
+    args = _args("--hook", "sparsify")
+    scaler = torch.amp.GradScaler("cpu")
+    assert comm_setup.build_exchange(args, grad_scaler=scaler).state.grad_scaler is scaler
+    assert comm_setup.build_exchange(args).state.grad_scaler is None
+
+
 def test_help_states_defaults():
     text = train_cifar.build_parser().format_help()
     for flag in ("--hook", "--density", "--period", "--epochs", "--lr-schedule", "--warmup-steps"):
@@ -237,6 +246,14 @@ def test_summary_table_and_metrics_file_resume(tmp_path):
     table = run_metrics.summary_table(resumed.records)
     assert "10.0x" in table and "1.5 kB" in table and "50.0%" in table
     assert len(table.splitlines()) == 4
+    # a run killed while writing epoch 3's line: the torn line is dropped on resume, not a crash
+    with open(path, "a") as out:
+        out.write('{"epoch": 3, "train_lo')
+    assert [r["epoch"] for r in run_metrics.MetricsFile(path, resume_epoch=2).records] == [1, 2]
+    with open(path, "a") as out:
+        out.write('{"epoch": 3, "train_lo\n' + '{"epoch": 4}\n')
+    with pytest.raises(ValueError):  # a damaged line before the last is not a torn write: refused
+        run_metrics.MetricsFile(path, resume_epoch=2)
 
 
 def test_format_bytes():

@@ -155,6 +155,41 @@ def test_checkpoints_load_with_weights_only(runs):
         assert snap["hook"]["state"]["rank"] == rank  # each rank saved its own residuals
 
 
+def _resume_twice(rank, world_size, argv, out_dir):
+    """Resume once; then, with rank 1's checkpoints gone, resume again: every rank must raise, none wait."""
+    result = train_cifar.main(train_cifar.parse_args(argv))
+    torch.distributed.barrier()
+    if rank == 1:
+        for suffix in ("", ".prev"):
+            os.remove(os.path.join(out_dir, f"checkpoint-rank1{suffix}.pt"))
+    torch.distributed.barrier()
+    try:
+        train_cifar.main(train_cifar.parse_args(argv))
+    except ValueError as exc:
+        return result, str(exc)
+    return result, None
+
+
+def test_resume_after_a_kill_between_two_ranks_saves(runs, tmp_path):
+    """Rank 0 saved epoch 2, rank 1 died before it could: both resume from epoch 1, the last they share."""
+    import shutil
+
+    base, results = runs
+    name = "sparsify-topk-allgather"
+    out_dir = str(tmp_path / "killed")
+    shutil.copytree(os.path.join(base, name, "straight"), out_dir)
+    os.replace(os.path.join(out_dir, "checkpoint-rank1.prev.pt"), os.path.join(out_dir, "checkpoint-rank1.pt"))
+    assert torch.load(os.path.join(out_dir, "checkpoint-rank0.pt"), weights_only=True)["epoch"] == 2
+    argv = _argv(name, base, "") + ["--epochs", "2", "--out-dir", out_dir, "--resume"]
+    resumed = run_distributed(_resume_twice, 2, argv, out_dir, timeout=120)
+    for rank in (0, 1):
+        result, error = resumed[rank]
+        assert [rec["epoch"] for rec in result["records"]] == [2]
+        assert torch.equal(result["params"], results[rank][name]["straight"]["params"])
+        assert error is not None and "--resume: no epoch has a checkpoint on every rank" in error
+        assert "(epochs per rank: [[2], []])" in error, error  # rank 0 keeps epoch 2 twice (latest, previous)
+
+
 def _epoch2(runs, name):
     return runs[1][0][name]["straight"]["records"][1]
 

@@ -242,6 +242,57 @@ def test_state_saved_on_another_world_size_is_refused():
         run_distributed(_wrong_world, 2, sd, timeout=60)
 
 
+def _foreign_state(rank, world, kind):
+    """Load a hook state that does not belong here; return the error at the first backward."""
+    def trained(module, r):
+        model = DDP(module)
+        st = SparsifyState(density=0.1)
+        model.register_comm_hook(st, sparsify_hook)
+        model(torch.randn(4, module[0].in_features, generator=torch.Generator().manual_seed(r))).sum().backward()
+        return st.state_dict()
+
+    # All parameters of `small` and `big` have 16 elements, so whatever order DDP hands them
+    # over in, the two models share their first parameter numbers and shapes.
+    small = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))  # noqa: E731
+    big = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))  # noqa
+    sd = trained({"rank": _model, "fewer_params": big}.get(kind, small)(), rank)
+    if kind == "rank":  # the other rank's file
+        rows = [None] * world
+        torch.distributed.all_gather_object(rows, sd)
+        sd = rows[1 - rank]
+    target = {"rank": _model, "fewer_params": small, "more_params": big,
+              "other_shape": lambda: torch.nn.Sequential(torch.nn.Linear(4, 5, bias=False))}[kind]()
+    st = SparsifyState(density=0.1)
+    st.load_state_dict(sd)
+    model = DDP(target)
+    model.register_comm_hook(st, sparsify_hook)
+    try:
+        model(torch.randn(4, target[0].in_features)).sum().backward()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+FOREIGN = {
+    "rank": r"rank \d loaded the hook state saved by rank \d: each rank must load its own file",
+    "fewer_params": r"holds residuals for parameters \[1\] that this model does not have",
+    "more_params": r"this model has parameters \[1\] for which the loaded hook state holds no residual",
+    "other_shape": r"the error-feedback residual of parameter #0 has 16 elements but the parameter has 20",
+}
+
+
+def _foreign_states(rank, world):
+    return {kind: _foreign_state(rank, world, kind) for kind in FOREIGN}
+
+
+def test_state_of_another_rank_or_model_is_refused():
+    import re
+
+    for errors in run_distributed(_foreign_states, 2, timeout=120):
+        for kind, message in FOREIGN.items():
+            assert errors[kind] is not None and re.search(message, errors[kind]), (kind, errors[kind])
+
+
 def _replicas_stay_equal(rank, world):
     for method, scope, aggregation in COMBOS:
         model = DDP(_model(), bucket_cap_mb=0.002)

@@ -24,11 +24,27 @@ from ddp_hooks.selection import Unit, budget, select
     ({"seed": -3}, ValueError, r"`seed` must be an int in \[0, 9223372036854775807\], got -3"),
     ({"process_group": "world"}, TypeError, r"`process_group` must be None .* got 'world' of type str"),
     ({"method": "topk", "aggregation": "allreduce"}, ValueError, r"cannot be used with `method`='topk'"),
+    ({"grad_scaler": 2.0 ** 16}, TypeError, r"`grad_scaler` must be None or a torch.amp.GradScaler, got float"),
 ])
 def test_bad_options_are_refused_before_any_process_group(kwargs, exc, pattern):
     assert not torch.distributed.is_initialized()
     with pytest.raises(exc, match=pattern):
         SparsifyState(**kwargs)
+
+
+def test_hook_refuses_a_wrong_state_or_a_tensor_instead_of_a_bucket():
+    from ddp_hooks import LocalSGDState, local_sgd_hook, sparsify_hook
+
+    for hook, state in ((sparsify_hook, SparsifyState()), (local_sgd_hook, LocalSGDState())):
+        name = hook.__name__
+        with pytest.raises(TypeError, match=rf"{name} was registered with a state of type NoneType; it needs a "
+                                            rf"{type(state).__name__}: ddp_model.register_comm_hook"):
+            hook(None, torch.zeros(3))
+        # FSDP calls its comm hooks with the gradient tensor itself
+        with pytest.raises(TypeError, match=rf"{name} received a Tensor instead of a torch.distributed.GradBucket: "
+                                            "it is a DistributedDataParallel comm hook"):
+            hook(state, torch.zeros(3))
+    assert not torch.distributed.is_initialized()
 
 
 def test_density_one_warns():

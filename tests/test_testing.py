@@ -59,6 +59,21 @@ def test_child_that_dies_without_reporting_is_a_failure():
         run_distributed(_hard_exit, 2, timeout=60)
 
 
+def _die_while_peer_sleeps(rank, world_size):
+    if rank == 0:
+        os._exit(5)
+    time.sleep(600)
+
+
+def test_dead_rank_is_reported_and_a_hung_peer_is_killed_after_the_grace_period():
+    start = time.monotonic()
+    with pytest.raises(ChildFailedError, match="rank 0: exited with code 5") as info:
+        run_distributed(_die_while_peer_sleeps, 2, timeout=120, grace=1.0)
+    # rank 1 never reported: it was still running and was killed, not mistaken for a success
+    assert info.value.reports == {0: None, 1: None}
+    assert time.monotonic() - start < 60
+
+
 def _hang(rank, world_size):
     time.sleep(600)
 
@@ -109,3 +124,5 @@ def test_assert_replicas_equal_names_the_differing_tensor():
 def test_world_size_is_validated(bad):
     with pytest.raises(ValueError, match="`world_size` must be an int >= 1"):
         run_distributed(_allreduce_rank, bad)
+    with pytest.raises(ValueError, match="`grace` must be a positive number of seconds"):
+        run_distributed(_allreduce_rank, 1, grace=bad if bad != 1.5 else -1.5)
