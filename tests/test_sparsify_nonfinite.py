@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
-from ddp_hooks.sparsify import _fill_if
+from ddp_hooks.sparsify_exchange import _fill_if
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
 from test_sparsify_dist import COMBOS, _batch, _model
 

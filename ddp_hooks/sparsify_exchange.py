@@ -1,0 +1,284 @@
+"""The exchange machinery of :func:`~ddp_hooks.sparsify_hook`: launch one bucket's exchange, commit a step.
+
+The algorithm, and the rules for non-finite steps, idle parameters, the loss
+scale, momentum and weight decay, are described in :mod:`ddp_hooks.sparsify`.
+Here: :func:`_launch` selects, packs and starts the collective of one bucket
+(or, with ``scope="global"``, :func:`_launch_global` of all buckets joined)
+and leaves every per-rank state untouched; :func:`_commit`, once all
+exchanges of the step have finished, takes one verdict for the step, folds
+the gradient into the states (:func:`_update_states`) and writes the averages
+into the buckets. Pure tensor work at world size 1, which is what
+``bench/bench_sparsify_kernels.py`` times.
+"""
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .collectives import allgather, allreduce_sum
+from .residuals import GLOBAL_BUCKET
+from .seeding import SHARED
+from .selection import Unit, select
+from .sparsify_state import SparsifyState
+
+# What an exchange yields once it has finished: whether any rank sent a
+# non-finite value, and how to write the average into a target vector.
+Result = Tuple[torch.Tensor, Callable[[torch.Tensor], None]]
+
+
+class _Flight:
+    """One exchange in flight, and what the end of the step needs to apply it."""
+
+    __slots__ = ("grad", "residual", "positions", "before", "kept", "hold", "future", "outputs", "decay",
+                 "velocity", "velocity_before", "sent")
+
+    def __init__(self, grad, residual, positions, before, kept, hold, future, outputs=None):
+        self.grad = grad  # the gradient (the bucket buffer, or the joined buckets); receives the result
+        self.residual = residual  # float32 residual laid out like grad, or None without error feedback
+        self.positions = positions  # this rank's sent positions
+        self.before = before  # the residual at `positions` before the step
+        self.kept = kept  # what stays in the residual at `positions` (scaled units; None: 0)
+        self.hold = hold  # positions of parameters without a gradient this step (nothing sent, residual kept)
+        self.future = future  # -> Result
+        self.outputs = outputs  # global scope: the bucket buffers that receive `grad`'s chunks
+        self.decay = None  # float32 weight_decay * x laid out like grad, or None
+        self.velocity = None  # float32 velocity laid out like grad (momentum in the hook), or None
+        self.velocity_before = None  # the velocity at `positions` before the step
+        self.sent = None  # the float32 values this rank sent at `positions` (scaled units), for the velocity
+
+
+def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: Optional[bool] = None) -> None:
+    """``tensor.fill_(value)`` if the 0-dim bool ``flag`` is set.
+
+    On CPU the flag is read on the host (free there); on other devices a
+    broadcast ``masked_fill_`` avoids a host sync, which would stall the
+    backward pipeline.
+    """
+    if sync_free is None:
+        sync_free = flag.device.type != "cpu"
+    if sync_free:
+        tensor.masked_fill_(flag, value)
+    elif flag:
+        tensor.fill_(value)
+
+
+def _extremes(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-parameter ``(min, max)`` of a bucket's gradients, shape ``(2, P)``, float32.
+
+    One read pass, no host sync. NaN and inf propagate into the extremes, so
+    they reveal a non-finite gradient; ``min == max == 0`` marks a parameter
+    without a gradient at this step (DDP zero-fills unused parameters).
+    """
+    lows, highs = [], []
+    for g in gradients:
+        lo, hi = torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(()))
+        lows.append(lo)
+        highs.append(hi)
+    return torch.stack([torch.stack(lows), torch.stack(highs)]).float()
+
+
+def _compensated(grad: torch.Tensor, carried: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``p = g + S c`` in float32, ``c`` what the rank carries (residual, plus weight decay); ``S`` = 1 without a scaler."""
+    if carried is None:
+        return grad.float()
+    return torch.add(carried, grad) if scale is None else torch.addcmul(grad.float(), carried, scale)
+
+
+def _carried(residual: Optional[torch.Tensor], decay: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``e + d``: the residual plus the weight-decay term, either of which may be absent."""
+    if decay is None:
+        return residual
+    return decay if residual is None else residual + decay
+
+
+def _decay(state: SparsifyState, params: Sequence[torch.Tensor], layout, numel: int, device) -> Optional[torch.Tensor]:
+    """``weight_decay * x`` laid out like the bucket, in float32, or None without weight decay in the hook."""
+    if state.weight_decay == 0.0:
+        return None
+    decay = torch.empty(numel, dtype=torch.float32, device=device)
+    for param, (_, offset, n) in zip(params, layout):
+        torch.mul(param.detach().reshape(-1), state.weight_decay, out=decay[offset:offset + n])
+    return decay
+
+
+def _shared_result(positions: torch.Tensor, received: torch.Tensor) -> Result:
+    def write(target):
+        target.zero_()
+        target.index_copy_(0, positions, received)
+
+    return ~torch.isfinite(received).all(), write
+
+
+def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Tensor, value_dtype: torch.dtype,
+                     index_dtype: torch.dtype, rows: torch.Tensor) -> Result:
+    world, rank = state._world_size, state._rank
+    if state.method == "topk":
+        value_bytes = positions.numel() * value_dtype.itemsize
+        values = rows[:, :value_bytes].view(value_dtype)
+        # clone(): a row's index bytes need not start at a multiple of the index size
+        parts = [(rows[r, value_bytes:].clone().view(index_dtype).long(), values[r]) for r in range(world)]
+    else:  # each rank's positions are recomputed from (seed, step, unit, rank)
+        values = rows
+        parts = [(positions if r == rank else select(state.method, rows, units, state.density, state.seed, step, r),
+                  rows[r]) for r in range(world)]
+
+    def write(target):
+        accumulator = target if target.dtype == torch.float32 else torch.zeros(target.numel(), device=target.device)
+        accumulator.zero_()
+        # One index_add_ per rank, in rank order: positions within a rank are
+        # distinct, so every rank sums in the same order and replicas stay
+        # bitwise equal (a single index_add_ with repeats is nondeterministic
+        # on CUDA).
+        for where, vals in parts:
+            accumulator.index_add_(0, where, vals.to(accumulator.dtype))
+        if accumulator is not target:
+            target.copy_(accumulator)
+
+    return ~torch.isfinite(values).all(), write
+
+
+def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.Tensor], units: Sequence[Unit],
+            starts: torch.Tensor, extremes: torch.Tensor, step: int, decay: Optional[torch.Tensor] = None,
+            velocity: Optional[torch.Tensor] = None, everything: bool = False) -> _Flight:
+    """Select, pack and start the collective; the per-rank states are left untouched until :func:`_commit`.
+
+    ``everything``: send every position (a warm-up step with momentum or
+    weight decay in the hook).
+    """
+    group, world, rank = state._group, state._world_size, state._rank
+    shared = everything or state.aggregation == "allreduce"
+    who = SHARED if shared else rank
+    before = None
+    if state.method == "topk" and not everything:
+        p = _compensated(grad, _carried(residual, decay), state._scale)
+        positions = select("topk", p, units, state.density, state.seed, step, who)
+        values = p.index_select(0, positions)
+        del p
+        if residual is not None:
+            before = residual.index_select(0, positions)
+    else:  # the random selectors need no values: compensate only the chosen positions
+        if everything:
+            positions = torch.arange(grad.numel(), device=grad.device)
+        else:
+            positions = select(state.method, grad, units, state.density, state.seed, step, who)
+        if residual is not None:
+            before = residual.index_select(0, positions)
+        carried = _carried(before, None if decay is None else decay.index_select(0, positions))
+        values = _compensated(grad.index_select(0, positions), carried, state._scale)
+    velocity_before = None
+    if velocity is not None:  # momentum in sends: w = m w + p where this rank sends
+        velocity_before = velocity.index_select(0, positions)
+        scaled = velocity_before if state._scale is None else velocity_before * state._scale
+        values.add_(scaled, alpha=state.momentum)
+    low, high = extremes
+    hold = None
+    if residual is not None:
+        idle = (low == 0) & (high == 0)
+        if low.device.type != "cpu" or idle.any():  # (on CPU the host may look: usually no parameter is idle)
+            hold = idle[torch.searchsorted(starts, positions, right=True) - 1]
+            values.masked_fill_(hold, 0.0)
+    sent_values = None if velocity is None else values.clone()  # `wire` may be `values` itself, divided below
+    wire = values.to(grad.dtype)
+    kept = None if residual is None or wire.dtype == torch.float32 else values - wire.float()
+    # A non-finite gradient anywhere in this rank's bucket reaches every rank, even at unsent positions.
+    _fill_if(wire, ~(torch.isfinite(low).all() & torch.isfinite(high).all()), float("nan"))
+    wire.div_(world)  # divide before the collective, as PyTorch's allreduce_hook does
+    k = positions.numel()
+    sent_bytes = k * wire.element_size()
+    dense = (grad.numel(), grad.numel() * grad.element_size())
+
+    if shared:
+        state._stats.add(k, sent_bytes, *dense)
+        future = allreduce_sum(wire, group, world).then(lambda f: _shared_result(positions, f.value()))
+        return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values)
+
+    index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
+    if state.method == "topk":
+        payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
+        sent_bytes += k * index_dtype.itemsize
+    else:  # random positions are recomputed from (seed, step, unit, rank): values only
+        payload = wire
+    state._stats.add(k, sent_bytes, *dense)
+    future = allgather(payload, group, world).then(
+        lambda f: _gathered_result(state, units, step, positions, wire.dtype, index_dtype, f.value()))
+    return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values)
+
+
+def _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent):
+    flight = _Flight(grad, residual, positions, before, kept, hold, future)
+    flight.decay, flight.velocity, flight.velocity_before, flight.sent = decay, velocity, velocity_before, sent
+    return flight
+
+
+def _launch_global(state: SparsifyState, step: int) -> _Flight:
+    """At the last bucket: one budget over the concatenation of all buckets of the step."""
+    waiting, state._waiting = state._waiting, []
+    buffers = [buffer for buffer, _, _, _, _ in waiting]
+    grad = torch.cat(buffers)  # receives the joined result, copied back into the buffers at the end
+    layout, starts, shift = [], [], 0
+    for buffer, bucket_layout, bucket_starts, _, _ in waiting:
+        layout.extend((key, offset + shift, n) for key, offset, n in bucket_layout)
+        starts.append(bucket_starts + shift)
+        shift += buffer.numel()
+    layout = tuple(layout)
+    residual = velocity = None
+    if state.error_feedback:
+        residual = state.residuals.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
+    if state.momentum > 0.0:
+        velocity = state.velocities.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
+    extremes = torch.cat([e for _, _, _, e, _ in waiting], dim=1)
+    decay = None if state.weight_decay == 0.0 else torch.cat([d for _, _, _, _, d in waiting])
+    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], torch.cat(starts), extremes, step,
+                     decay, velocity)
+    flight.outputs = buffers
+    return flight
+
+
+def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> None:
+    """Fold the step's gradient into this rank's float32 states; a discarded step leaves them unchanged.
+
+    The one place where the per-rank states absorb a gradient, and so where
+    non-finite steps and the loss scale are handled for all of them: the
+    gradient (and the weight-decay term) is zeroed when the step is
+    discarded, and consumed times ``1/S``. Then ``e = e + g / S + d``
+    everywhere and, at the positions sent, what was not sent (0, or the
+    rounding to the wire dtype), and with momentum ``w = sent / S`` there;
+    held positions (parameters without a gradient) and discarded steps keep
+    ``e`` and ``w``.
+    """
+    e = flight.residual
+    if e is None:
+        return
+    grad = flight.grad
+    _fill_if(grad, discard, 0.0)  # the buffer is overwritten with the result next: zeroing it is free of copies
+    if inv_scale is None:
+        e.add_(grad)
+    else:
+        e.addcmul_(grad, inv_scale)
+    if flight.decay is not None:
+        _fill_if(flight.decay, discard, 0.0)
+        e.add_(flight.decay)
+    keep = discard if flight.hold is None else flight.hold | discard
+    if flight.kept is None:
+        left = torch.zeros((), dtype=e.dtype, device=e.device)
+    else:
+        left = flight.kept if inv_scale is None else flight.kept * inv_scale
+    # kept positions had no gradient added (a held parameter's is 0, a discarded step's was zeroed): e before
+    e.index_put_((flight.positions,), torch.where(keep, flight.before, left))
+    if flight.velocity is not None:
+        sent = flight.sent if inv_scale is None else flight.sent * inv_scale
+        flight.velocity.index_put_((flight.positions,), torch.where(keep, flight.velocity_before, sent))
+
+
+def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.Tensor]) -> None:
+    """End of the step, all exchanges done: one verdict for the step, then states and outputs."""
+    results = [flight.future.value() for flight in flights]
+    discard = torch.stack([bad for bad, _ in results]).any()  # the same on every rank: all saw the same data
+    state._count_nonfinite(discard)
+    inv_scale = None if scale is None else scale.reciprocal()
+    for flight, (_, write) in zip(flights, results):
+        _update_states(flight, discard, inv_scale)
+        write(flight.grad)
+        if flight.outputs is not None:
+            for buffer, chunk in zip(flight.outputs, flight.grad.split([b.numel() for b in flight.outputs])):
+                buffer.copy_(chunk)
