@@ -1,55 +1,99 @@
-"""Compression work of one sparsify_hook call on a 25 MB bucket, beside the add_ floor.
+"""The sparsify hook's own work on one bucket, beside the add_ floor and a plain copy (pytest-benchmark).
 
-Run: python -m pytest bench/bench_sparsify_kernels.py --benchmark-group-by=param:scope -p no:cacheprovider
+Run (about a minute on 2 cores)::
 
-The floor is ``residual.add_(grad)``: error feedback must read the gradient and
-the residual once. Each method's row times what the hook does locally for one
-bucket besides the collective: compensate, select, take the values, update the
-residual, and write the averaged values back into the zeroed bucket buffer.
-``extra_info`` records the bytes a rank would send.
+    python -m pytest bench/bench_sparsify_kernels.py -p no:cacheprovider
+
+Each row runs what :func:`ddp_hooks.sparsify_hook` does for one bucket at
+world size 1, through the hook's own functions (:mod:`ddp_hooks.sparsify_exchange`):
+the finiteness scan, selection, compensation, packing (compression), then the
+verdict, the residual update and the write of the averaged values into the
+zeroed bucket (decompression). Only the collective is absent. Groups are per
+bucket size and density; ``floor`` is ``residual.add_(grad)`` (error feedback
+must read the gradient and the residual once) and ``copy`` a plain
+``dst.copy_(grad)``. The summary at the end prints each row's minimum time
+over the floor's, from the same run. ``extra_info`` holds the bytes a rank
+sends per call (values, plus int32 positions for top-k) and the density.
 """
 
 import pytest
 import torch
 
-from ddp_hooks.selection import Unit, budget, select
+from ddp_hooks import SparsifyState
+from ddp_hooks.selection import Unit
+from ddp_hooks.sparsify_exchange import _commit, _launch, _scan
 
-NUMEL = 25 * 2**20 // 4  # 25 MB of float32, PyTorch DDP's default bucket size
-DENSITY = 0.01
-# "layer" splits the bucket into 50 layers of equal size, like a mid-size CNN bucket
-SCOPES = {"bucket": [Unit(0, 0, NUMEL)], "layer": [Unit(i, i * (NUMEL // 50), NUMEL // 50) for i in range(50)]}
-
-
-@pytest.fixture(scope="module")
-def tensors():
-    torch.manual_seed(0)
-    return torch.randn(NUMEL), torch.zeros(NUMEL)
+SIZES_MB = (1, 25)
+DENSITIES = (0.01, 0.1)
+LAYERS = 50  # "layer" scope: the bucket holds 50 equal layers, like a mid-size CNN's bucket
+CONFIGS = [("random_block", "bucket", "allreduce"), ("random_block", "layer", "allreduce"),
+           ("randomk", "bucket", "allreduce"), ("randomk", "layer", "allreduce"),
+           ("topk", "bucket", "allgather"), ("topk", "layer", "allgather")]
 
 
-def _hook_work(method, units, grad, residual, step):
-    residual.add_(grad)
-    idx = select(method, residual, units, DENSITY, seed=0, step=step)
-    values = residual[idx]
-    residual.index_fill_(0, idx, 0.0)
-    grad.zero_()
-    grad.index_copy_(0, idx, values)
-    return idx.numel()
+def _group(mb, density):
+    return f"{mb}MB-d{density}"
 
 
-@pytest.mark.benchmark(group="sparsify-25MB")
-def test_floor_add(benchmark, tensors):
-    grad, residual = tensors
-    benchmark.extra_info.update(bytes_sent=NUMEL * 4, density=1.0)
+class _Bucket:
+    """A flat gradient, its residual and layout, and a SparsifyState bound to a world of one."""
+
+    def __init__(self, mb, density, method, scope, aggregation):
+        numel = mb * 2**20 // 4
+        per_layer = numel // LAYERS
+        numel = per_layer * LAYERS
+        torch.manual_seed(0)
+        self.source = torch.randn(numel)
+        self.grad = torch.empty(numel)
+        self.residual = torch.zeros(numel)
+        self.views = list(self.grad.split(per_layer))
+        self.starts = torch.arange(0, numel, per_layer)
+        if scope == "layer":
+            self.units = [Unit(i, i * per_layer, per_layer) for i in range(LAYERS)]
+        else:
+            self.units = [Unit(0, 0, numel)]
+        state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation)
+        state._group, state._rank, state._world_size, state._checked = None, 0, 1, True
+        self.state = state
+
+    def refill(self):
+        self.grad.copy_(self.source)
+
+    def hook_work(self):
+        state = self.state
+        state._begin_step(self.grad.device)
+        flight = _launch(state, self.grad, self.residual, self.units, self.starts, _scan(self.views), state.step)
+        _commit(state, [flight], None)
+        state.step += 1
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("mb", SIZES_MB)
+def test_floor_add(benchmark, mb, density):
+    benchmark.group = _group(mb, density)
+    grad, residual = torch.randn(mb * 2**20 // 4), torch.zeros(mb * 2**20 // 4)
+    benchmark.extra_info.update(bytes_sent=grad.numel() * 4, density=1.0)
     benchmark.pedantic(residual.add_, args=(grad,), rounds=20, warmup_rounds=2)
 
 
-@pytest.mark.benchmark(group="sparsify-25MB")
-@pytest.mark.parametrize("scope", ["bucket", "layer"])
-@pytest.mark.parametrize("method", ["random_block", "randomk", "topk"])
-def test_hook_compression(benchmark, tensors, method, scope):
-    grad, residual = tensors
-    units = SCOPES[scope]
-    k = sum(budget(u.numel, DENSITY) for u in units)
-    benchmark.extra_info.update(bytes_sent=k * (8 if method == "topk" else 4), density=DENSITY)
-    steps = iter(range(10**9))
-    benchmark.pedantic(lambda: _hook_work(method, units, grad, residual, next(steps)), rounds=10, warmup_rounds=1)
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("mb", SIZES_MB)
+def test_copy(benchmark, mb, density):
+    benchmark.group = _group(mb, density)
+    src, dst = torch.randn(mb * 2**20 // 4), torch.zeros(mb * 2**20 // 4)
+    benchmark.extra_info.update(bytes_sent=src.numel() * 4, density=1.0)
+    benchmark.pedantic(dst.copy_, args=(src,), rounds=20, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["-".join(c) for c in CONFIGS])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("mb", SIZES_MB)
+def test_hook(benchmark, mb, density, config):
+    benchmark.group = _group(mb, density)
+    bucket = _Bucket(mb, density, *config)
+    bucket.refill()
+    bucket.hook_work()  # first call: caches (layout tensors) and allocations
+    sent = bucket.state.stats()["bytes_sent"]
+    benchmark.extra_info.update(bytes_sent=sent, density=density)
+    benchmark.pedantic(bucket.hook_work, setup=bucket.refill, rounds=10, warmup_rounds=1)
+    assert torch.isfinite(bucket.residual).all()

@@ -100,7 +100,10 @@ def _block_positions(units: Sequence[Unit], ks: Sequence[int], seed: int, step: 
     if len(units) == 1:
         (u,), (k,) = units, ks
         s = 0 if k == u.numel else _block_start(derive_seed(seed, step, u.key, rank), u.numel)
-        return torch.arange(s, s + k, device=device).remainder_(u.numel).add_(u.offset)
+        if s + k <= u.numel:  # no wrap: one range
+            return torch.arange(u.offset + s, u.offset + s + k, device=device)
+        return torch.cat([torch.arange(u.offset + s, u.offset + u.numel, device=device),
+                          torch.arange(u.offset, u.offset + s + k - u.numel, device=device)])
     within, size, offset, unit, keys, whole = _block_plan(tuple(units), tuple(ks), torch.device(device))
     start = _shift_right(derive_seeds(seed, step, keys, rank), 1).remainder_(size)
     if whole is not None:

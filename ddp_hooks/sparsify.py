@@ -83,7 +83,7 @@ import torch.distributed as dist
 from ._validate import check_hook_call
 from .collectives import allreduce_mean
 from .selection import Unit
-from .sparsify_exchange import _commit, _decay, _extremes, _launch, _launch_global
+from .sparsify_exchange import _commit, _decay, _launch, _launch_global, _scan
 from .sparsify_state import SparsifyState
 
 __all__ = ["sparsify_hook"]
@@ -150,10 +150,10 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         if last:
             state._end_step(index, compressed=False)
         return fut
-    extremes = _extremes(bucket.gradients())
+    sizes = _scan(bucket.gradients())
     decay = _decay(state, bucket.parameters(), layout, buffer.numel(), buffer.device)
     if state.scope == "global" and not dense:
-        state._waiting.append((buffer, layout, starts, extremes, decay))
+        state._waiting.append((buffer, layout, starts, sizes, decay))
         if not last:
             return _wait_for_last(state, buffer)
         state._flights.append(_launch_global(state, state.step))
@@ -167,7 +167,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout]
         else:
             units = [Unit(index, 0, buffer.numel())]
-        state._flights.append(_launch(state, buffer, residual, units, starts, extremes, state.step, decay, velocity,
+        state._flights.append(_launch(state, buffer, residual, units, starts, sizes, state.step, decay, velocity,
                                       everything=dense))
         if not last:
             return _wait_for_last(state, buffer)

@@ -62,19 +62,36 @@ def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: 
         tensor.fill_(value)
 
 
-def _extremes(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-parameter ``(min, max)`` of a bucket's gradients, shape ``(2, P)``, float32.
+def _scan(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per parameter, a float32 size of its gradient: 0 iff the gradient is all zero, non-finite iff it holds inf/NaN.
 
-    One read pass, no host sync. NaN and inf propagate into the extremes, so
-    they reveal a non-finite gradient; ``min == max == 0`` marks a parameter
-    without a gradient at this step (DDP zero-fills unused parameters).
+    One read pass, and no host sync off the CPU. A zero size marks a parameter
+    without a gradient at this step (DDP zero-fills unused parameters); inf
+    and NaN propagate into the size, so they reveal a non-finite gradient.
+    On the CPU, for float32 gradients, the size is ``g . g`` (one BLAS dot,
+    the cheapest full read), checked on the host once for the whole bucket;
+    a parameter whose dot is not finite is measured again as ``max |g|``, so
+    that a finite gradient whose squares overflow (|g| near 1e19) still
+    counts as finite. Elsewhere, and for half-precision gradients, the size
+    is ``max |g|`` from ``aminmax``.
     """
-    lows, highs = [], []
-    for g in gradients:
-        lo, hi = torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(()))
-        lows.append(lo)
-        highs.append(hi)
-    return torch.stack([torch.stack(lows), torch.stack(highs)]).float()
+    if not gradients:
+        return torch.zeros(0)
+    if gradients[0].device.type != "cpu" or gradients[0].dtype not in (torch.float32, torch.float64):
+        return torch.stack([_max_magnitude(g).float() for g in gradients])
+    flat = [g.reshape(-1) for g in gradients]
+    sizes = torch.stack([torch.dot(g, g) if g.numel() else g.new_zeros(()) for g in flat]).float()
+    unsure = torch.nonzero(~torch.isfinite(sizes)).squeeze(1).tolist()  # usually none
+    for i in unsure:
+        sizes[i] = _max_magnitude(gradients[i])
+    return sizes
+
+
+def _max_magnitude(g: torch.Tensor) -> torch.Tensor:
+    if not g.numel():
+        return g.new_zeros(())
+    low, high = torch.aminmax(g)
+    return torch.maximum(low.abs(), high.abs())
 
 
 def _compensated(grad: torch.Tensor, carried: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> torch.Tensor:
@@ -138,7 +155,7 @@ def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Te
 
 
 def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.Tensor], units: Sequence[Unit],
-            starts: torch.Tensor, extremes: torch.Tensor, step: int, decay: Optional[torch.Tensor] = None,
+            starts: torch.Tensor, sizes: torch.Tensor, step: int, decay: Optional[torch.Tensor] = None,
             velocity: Optional[torch.Tensor] = None, everything: bool = False) -> _Flight:
     """Select, pack and start the collective; the per-rank states are left untouched until :func:`_commit`.
 
@@ -170,18 +187,17 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
         velocity_before = velocity.index_select(0, positions)
         scaled = velocity_before if state._scale is None else velocity_before * state._scale
         values.add_(scaled, alpha=state.momentum)
-    low, high = extremes
     hold = None
     if residual is not None:
-        idle = (low == 0) & (high == 0)
-        if low.device.type != "cpu" or idle.any():  # (on CPU the host may look: usually no parameter is idle)
+        idle = sizes == 0
+        if sizes.device.type != "cpu" or idle.any():  # (on CPU the host may look: usually no parameter is idle)
             hold = idle[torch.searchsorted(starts, positions, right=True) - 1]
             values.masked_fill_(hold, 0.0)
     sent_values = None if velocity is None else values.clone()  # `wire` may be `values` itself, divided below
     wire = values.to(grad.dtype)
     kept = None if residual is None or wire.dtype == torch.float32 else values - wire.float()
     # A non-finite gradient anywhere in this rank's bucket reaches every rank, even at unsent positions.
-    _fill_if(wire, ~(torch.isfinite(low).all() & torch.isfinite(high).all()), float("nan"))
+    _fill_if(wire, ~torch.isfinite(sizes).all(), float("nan"))
     wire.div_(world)  # divide before the collective, as PyTorch's allreduce_hook does
     k = positions.numel()
     sent_bytes = k * wire.element_size()
@@ -226,9 +242,9 @@ def _launch_global(state: SparsifyState, step: int) -> _Flight:
         residual = state.residuals.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
     if state.momentum > 0.0:
         velocity = state.velocities.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
-    extremes = torch.cat([e for _, _, _, e, _ in waiting], dim=1)
+    sizes = torch.cat([z for _, _, _, z, _ in waiting])
     decay = None if state.weight_decay == 0.0 else torch.cat([d for _, _, _, _, d in waiting])
-    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], torch.cat(starts), extremes, step,
+    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], torch.cat(starts), sizes, step,
                      decay, velocity)
     flight.outputs = buffers
     return flight
@@ -249,25 +265,42 @@ def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[t
     e = flight.residual
     if e is None:
         return
+    on_host = discard.device.type == "cpu"  # the verdict is free to read there: branch instead of masking
+    if on_host and bool(discard):
+        return
     grad = flight.grad
-    _fill_if(grad, discard, 0.0)  # the buffer is overwritten with the result next: zeroing it is free of copies
+    if not on_host:
+        _fill_if(grad, discard, 0.0, sync_free=True)  # the buffer is overwritten with the result next
     if inv_scale is None:
         e.add_(grad)
     else:
         e.addcmul_(grad, inv_scale)
     if flight.decay is not None:
-        _fill_if(flight.decay, discard, 0.0)
+        if not on_host:
+            _fill_if(flight.decay, discard, 0.0, sync_free=True)
         e.add_(flight.decay)
-    keep = discard if flight.hold is None else flight.hold | discard
-    if flight.kept is None:
-        left = torch.zeros((), dtype=e.dtype, device=e.device)
+    if on_host:
+        keep = flight.hold
     else:
-        left = flight.kept if inv_scale is None else flight.kept * inv_scale
+        keep = discard if flight.hold is None else flight.hold | discard
+    left = flight.kept if flight.kept is None or inv_scale is None else flight.kept * inv_scale
+    positions = flight.positions
     # kept positions had no gradient added (a held parameter's is 0, a discarded step's was zeroed): e before
-    e.index_put_((flight.positions,), torch.where(keep, flight.before, left))
+    if keep is None:
+        if left is None:
+            e.index_fill_(0, positions, 0.0)
+        else:
+            e.index_copy_(0, positions, left)
+    else:
+        if left is None:
+            left = torch.zeros((), dtype=e.dtype, device=e.device)
+        e.index_put_((positions,), torch.where(keep, flight.before, left))
     if flight.velocity is not None:
         sent = flight.sent if inv_scale is None else flight.sent * inv_scale
-        flight.velocity.index_put_((flight.positions,), torch.where(keep, flight.velocity_before, sent))
+        if keep is None:
+            flight.velocity.index_copy_(0, positions, sent)
+        else:
+            flight.velocity.index_put_((positions,), torch.where(keep, flight.velocity_before, sent))
 
 
 def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.Tensor]) -> None:

@@ -158,3 +158,18 @@ def test_fill_if_sync_free_path_matches_the_host_path():
             t = torch.arange(5.0)
             _fill_if(t, torch.tensor(flag), float("nan"), sync_free=sync_free)
             assert torch.isnan(t).all() if flag else torch.equal(t, torch.arange(5.0))
+
+
+def test_scan_tells_zero_finite_and_nonfinite_gradients_apart():
+    from ddp_hooks.sparsify_exchange import _scan
+
+    nan, inf = torch.ones(5), torch.ones(2, 2)
+    nan[1], inf[0, 1] = float("nan"), float("-inf")
+    big = torch.full((4, 3), 1e20)  # finite, but its squares overflow float32: must still count as finite
+    for dtype in (torch.float32, torch.bfloat16):  # the dot path and the aminmax path
+        grads = [g.to(dtype) for g in (torch.zeros(7), big, nan, inf, torch.randn(3), torch.zeros(0))]
+        sizes = _scan(grads)
+        assert sizes[0] == 0 and sizes[5] == 0, (dtype, sizes)  # no gradient: held
+        assert torch.isfinite(sizes[1]) and sizes[1] > 0, (dtype, sizes)
+        assert not torch.isfinite(sizes[2]) and not torch.isfinite(sizes[3]), (dtype, sizes)
+        assert torch.isfinite(sizes[4]) and sizes[4] > 0, (dtype, sizes)
