@@ -8,22 +8,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench helpers 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     session = getattr(config, "_benchmarksession", None)
-    benchmarks = getattr(session, "benchmarks", None) or []
-    groups = {}
-    for bench in benchmarks:
-        groups.setdefault(bench.group, []).append(bench)
+    groups = getattr(session, "groups", None) or []  # [(group, [benchmark as a flat dict])], set at session end
     rows = []
-    for group, members in sorted(groups.items(), key=lambda item: str(item[0])):
-        floor = [b for b in members if b.name.startswith("test_floor_add")]
+    for group, members in groups:
+        floor = [b for b in members if b["name"].endswith("-floor]")]
         if not floor:
             continue
-        base = floor[0].stats.min
-        for b in members:
-            label = b.name.split("[")[0].replace("test_", "")
-            params = b.name[len(label) + 6:].strip("[]")
-            config = params.rsplit("-", 2)[0] if label == "hook" else label
-            rows.append((group, config if label == "hook" else label, b.stats.min * 1e3, b.stats.min / base,
-                         b.extra_info.get("bytes_sent", 0)))
+        base = floor[0]["min"]
+        for b in sorted(members, key=lambda b: b["min"]):
+            label = b["name"][b["name"].index("[") + 1:-1].split("-", 2)[-1]
+            rows.append((group, label, b["min"] * 1e3, b["min"] / base, b["extra_info"].get("bytes_sent", 0)))
     if not rows:
         return
     terminalreporter.write_sep("-", "minimum time over the add_ floor of the same group (this run)")

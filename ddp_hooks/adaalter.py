@@ -58,7 +58,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._validate import check_bool, check_float, check_int, check_process_group
+from ._validate import check_bool, check_float, check_process_group
 from .averager import AdaAlterAverager
 from .local_sgd import LocalSGDState, local_sgd_hook
 from .schedule import LocalAdaAlterSchedule, _register_owner, driver_settings

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import NamedTuple, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -148,8 +148,21 @@ def select(
         return torch.cat([select(method, values, [u], density, seed, step, rank) for u in units])
     offsets, sizes = [u.offset for u in units], [u.numel for u in units]
     if method == "topk":
-        return topk_units(values, offsets, sizes, ks)
+        return topk_units(values.abs(), offsets, sizes, ks)
     return random_subsets(offsets, sizes, ks, [u.key for u in units], seed, step, rank, device)
+
+
+def select_topk(magnitude: torch.Tensor, units: Sequence[Unit], density: float,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``select("topk", p, ...)`` given ``magnitude = |p|`` and an optional bool scratch ``mask``.
+
+    The hook computes ``|p|`` into memory it keeps from step to step; a fresh
+    25 MB allocation per bucket costs page faults on the CPU.
+    """
+    ks = [budget(u.numel, density) for u in units]
+    if all(k == u.numel for u, k in zip(units, ks)) or not _ascending(units):
+        return select("topk", magnitude, units, density, 0, 0)
+    return topk_units(magnitude, [u.offset for u in units], [u.numel for u in units], ks, mask)
 
 
 def _ascending(units: Sequence[Unit]) -> bool:

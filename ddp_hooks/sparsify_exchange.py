@@ -18,7 +18,7 @@ import torch
 from .collectives import allgather, allreduce_sum
 from .residuals import GLOBAL_BUCKET
 from .seeding import SHARED
-from .selection import Unit, select
+from .selection import Unit, select, select_topk
 from .sparsify_state import SparsifyState
 
 # What an exchange yields once it has finished: whether any rank sent a
@@ -94,11 +94,14 @@ def _max_magnitude(g: torch.Tensor) -> torch.Tensor:
     return torch.maximum(low.abs(), high.abs())
 
 
-def _compensated(grad: torch.Tensor, carried: Optional[torch.Tensor], scale: Optional[torch.Tensor]) -> torch.Tensor:
+def _compensated(grad: torch.Tensor, carried: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``p = g + S c`` in float32, ``c`` what the rank carries (residual, plus weight decay); ``S`` = 1 without a scaler."""
     if carried is None:
-        return grad.float()
-    return torch.add(carried, grad) if scale is None else torch.addcmul(grad.float(), carried, scale)
+        return grad.float() if out is None else out.copy_(grad)
+    if scale is None:
+        return torch.add(carried, grad, out=out)
+    return torch.addcmul(grad.float(), carried, scale, out=out)
 
 
 def _carried(residual: Optional[torch.Tensor], decay: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -166,22 +169,19 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     shared = everything or state.aggregation == "allreduce"
     who = SHARED if shared else rank
     before = None
-    if state.method == "topk" and not everything:
-        p = _compensated(grad, _carried(residual, decay), state._scale)
-        positions = select("topk", p, units, state.density, state.seed, step, who)
-        values = p.index_select(0, positions)
-        del p
-        if residual is not None:
-            before = residual.index_select(0, positions)
-    else:  # the random selectors need no values: compensate only the chosen positions
-        if everything:
-            positions = torch.arange(grad.numel(), device=grad.device)
-        else:
-            positions = select(state.method, grad, units, state.density, state.seed, step, who)
-        if residual is not None:
-            before = residual.index_select(0, positions)
-        carried = _carried(before, None if decay is None else decay.index_select(0, positions))
-        values = _compensated(grad.index_select(0, positions), carried, state._scale)
+    if everything:
+        positions = torch.arange(grad.numel(), device=grad.device)
+    elif state.method == "topk":  # |p| in memory kept from step to step, then the positions
+        magnitude, mask = state._scratch(grad.numel(), grad.device)
+        _compensated(grad, _carried(residual, decay), state._scale, out=magnitude).abs_()
+        positions = select_topk(magnitude, units, state.density, mask)
+    else:  # the random selectors need no values
+        positions = select(state.method, grad, units, state.density, state.seed, step, who)
+    # p at the chosen positions only (the same float operations as the whole p)
+    if residual is not None:
+        before = residual.index_select(0, positions)
+    carried = _carried(before, None if decay is None else decay.index_select(0, positions))
+    values = _compensated(grad.index_select(0, positions), carried, state._scale)
     velocity_before = None
     if velocity is not None:  # momentum in sends: w = m w + p where this rank sends
         velocity_before = velocity.index_select(0, positions)

@@ -154,6 +154,8 @@ class SparsifyState:
         # within one backward: the loss scale, exchanges in flight, the step's completion (which
         # the buckets' futures follow), buckets waiting for the last one (global scope)
         "_scale", "_flights", "_step_done", "_waiting",
+        # top-k: |p| and a candidate mask, kept from step to step (grown to the largest bucket)
+        "_scratch_buffers",
         # the optimizer check installed at the first hook call holds only a weak reference
         "__weakref__",
     )
@@ -219,6 +221,7 @@ class SparsifyState:
         self._loaded_meta: Optional[Dict[str, int]] = None
         self._loaded_keys: Optional[set] = None
         self._scale: Optional[torch.Tensor] = None
+        self._scratch_buffers: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._flights: list = []
         self._step_done: Optional[torch.futures.Future] = None
         self._waiting: list = []
@@ -310,6 +313,15 @@ class SparsifyState:
         starts = torch.tensor(offsets, dtype=torch.int64, device=buffer.device)
         self._layouts[bucket.index()] = (ids, layout, starts)
         return layout, starts
+
+    def _scratch(self, numel: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A float32 vector of ``numel`` and a bool mask of ``numel`` rounded up to 8, reused across steps."""
+        floats, mask = self._scratch_buffers.get(device, (None, None))
+        if floats is None or floats.numel() < numel:
+            floats = torch.empty(numel, dtype=torch.float32, device=device)
+            mask = torch.empty((numel + 7) // 8 * 8, dtype=torch.bool, device=device)
+            self._scratch_buffers[device] = (floats, mask)
+        return floats[:numel], mask
 
     def _begin_step(self, device: torch.device) -> None:
         """At the first bucket of a backward: drop leftovers of a backward that raised; read the loss scale."""

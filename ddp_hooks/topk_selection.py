@@ -5,7 +5,7 @@ with budget ``k_u``) the positions of the ``k_u`` largest magnitudes are
 wanted. ``torch.topk`` over millions of entries costs tens of passes over
 them, and one call per layer multiplies the fixed costs. Instead:
 
-1. ``|p|`` once over the whole vector;
+1. ``|p|`` once over the whole vector (by the caller, into reusable memory);
 2. per unit, a threshold ``t_u`` from an evenly strided sample of ``|p|``,
    aimed at about ``1.5 k_u`` entries above it (small units: ``t_u = 0``, every
    entry is a candidate);
@@ -25,14 +25,14 @@ Example::
 
     >>> import torch
     >>> p = torch.tensor([0.5, -4.0, 1.0, 3.0, 0.0, -2.0])
-    >>> topk_units(p, offsets=[0, 3], sizes=[3, 3], ks=[2, 1]).tolist()
+    >>> topk_units(p.abs(), offsets=[0, 3], sizes=[3, 3], ks=[2, 1]).tolist()
     [1, 2, 3]
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,7 +41,7 @@ from .segments import smallest_per_segment, true_positions
 __all__ = ["topk_units"]
 
 # Units smaller than this take every entry as a candidate (no sampling).
-_SMALL = 1 << 15
+_SMALL = 1 << 12
 # Units whose budget exceeds 1/_SPARSE of them use torch.topk directly.
 _SPARSE = 8
 # Candidates aimed at per unit, as a multiple of its budget.
@@ -65,20 +65,25 @@ def _unit_tensors(offsets: Tuple[int, ...], ks: Tuple[int, ...], device: torch.d
     return torch.tensor(offsets, device=device), torch.tensor(ks, device=device)
 
 
-def topk_units(values: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int],
-               ks: Sequence[int]) -> torch.Tensor:
-    """Absolute positions of the ``ks[u]`` largest ``|values|`` in each unit, unit by unit.
+def topk_units(magnitude: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int],
+               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Absolute positions of the ``ks[u]`` largest ``magnitude`` entries in each unit, unit by unit.
 
     Args:
-        values (Tensor): flat float vector holding the units.
+        magnitude (Tensor): flat non-negative float vector holding the units
+            (``|p|``: the caller takes the absolute value, into memory it may reuse).
         offsets, sizes (ints): each unit's first position and length;
             offsets must increase and units must not overlap.
         ks (ints): each unit's budget, ``1 <= ks[u] <= sizes[u]``.
+        mask (Tensor): optional bool scratch of at least ``magnitude.numel()``
+            rounded up to a multiple of 8, reused instead of a new allocation.
     """
-    device = values.device
-    magnitude = values.abs()
-    padded = (values.numel() + 7) // 8 * 8
-    mask = torch.zeros(padded, dtype=torch.bool, device=device)
+    device = magnitude.device
+    padded = (magnitude.numel() + 7) // 8 * 8
+    if mask is None or mask.numel() < padded:
+        mask = torch.zeros(padded, dtype=torch.bool, device=device)
+    else:
+        mask = mask[:padded].zero_()
     direct: List[int] = []  # units answered by torch.topk
     for u, (o, n, k) in enumerate(zip(offsets, sizes, ks)):
         if n < _SMALL:
