@@ -23,6 +23,10 @@ With momentum each error-feedback method runs twice:
 
 ``(built)`` marks the placement :func:`ddp_hooks.build_sparsify_sgd` chooses.
 
+``--warmup-epochs E`` gives every sparsifier ``E`` epochs of dense allreduce
+first (``SparsifyState.warmup_steps``); the dense baseline is unchanged.
+``--methods`` and ``--no-baseline`` run a subset.
+
 Random-k without error feedback is the sanity check that error feedback
 matters. A run counts as diverged when its last-epoch training loss is not
 finite or above 10; its accuracy is shown with a ``!``. Cells are the mean
@@ -77,27 +81,30 @@ def mlp(seed):
                                torch.nn.Linear(256, 10))
 
 
-def configurations(momenta, densities=DENSITIES, placements=("optimizer", "hook")):
+def configurations(momenta, densities=DENSITIES, placements=("optimizer", "hook"), methods=EF_METHODS,
+                   without_feedback=True):
     """(momentum, method, density, error_feedback, placement) of every run; method 'dense' has no density."""
     runs = []
     for m in momenta:
         runs.append((m, "dense", None, False, "-"))
         for density in densities:
-            for method in EF_METHODS:
+            for method in methods:
                 for placement in (placements if m > 0 else ("-",)):
                     runs.append((m, method, density, True, placement))
-            runs.append((m, "randomk", density, False, "-"))
+            if without_feedback:
+                runs.append((m, "randomk", density, False, "-"))
     return runs
 
 
-def build(ddp, run, args, seed):
+def build(ddp, run, args, seed, steps_per_epoch):
     """Register the run's hook on ``ddp``; return its optimizer."""
     momentum, method, density, error_feedback, placement = run
     if method == "dense":
         ddp.register_comm_hook(None, allreduce_hook)
         return torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=momentum, weight_decay=args.weight_decay)
     options = dict(method=method, density=density, scope="layer", error_feedback=error_feedback, seed=seed,
-                   aggregation="allgather" if method == "topk" else "allreduce")
+                   aggregation="allgather" if method == "topk" else "allreduce",
+                   warmup_steps=round(args.warmup_epochs * steps_per_epoch))
     if placement == "hook":  # built by hand: the bench shows both placements whatever the builder's rule
         ddp.register_comm_hook(SparsifyState(momentum=momentum, weight_decay=args.weight_decay, **options),
                                sparsify_hook)
@@ -110,8 +117,8 @@ def train_one(rank, world, data, run, args, seed):
     """Final (test accuracy in %, last-epoch mean training loss) of one run on this rank."""
     x_train, y_train, x_test, y_test = data
     ddp = DDP(mlp(seed))
-    opt = build(ddp, run, args, seed)
     steps_per_epoch = TRAIN // (world * args.batch)
+    opt = build(ddp, run, args, seed, steps_per_epoch)
     total = args.epochs * steps_per_epoch
     losses = []
     for epoch in range(args.epochs):
@@ -181,11 +188,12 @@ def table(results, momenta, densities):
 
 def main(args):
     seeds = list(range(args.seed_start, args.seed_start + args.seeds))
-    runs = configurations(args.momenta, args.densities, args.placements)
+    runs = configurations(args.momenta, args.densities, args.placements, args.methods, not args.no_baseline)
     start = time.perf_counter()
     results = run_distributed(body, 2, runs, args, seeds, timeout=3600)[0]
     print(f"digits MLP 64-256-256-10, 2 gloo ranks, batch {args.batch}/rank, {args.epochs} epochs, lr {args.lr} "
-          f"({args.schedule}), weight decay {args.weight_decay}, layer scope, seeds {seeds}; final test accuracy %, "
+          f"({args.schedule}), weight decay {args.weight_decay}, layer scope, dense warm-up {args.warmup_epochs:g} "
+          f"epochs, seeds {seeds}; final test accuracy %, "
           f"mean ±half-range over seeds, !n/N = n of N runs diverged")
     print(table(results, args.momenta, args.densities))
     if args.per_seed:
@@ -209,6 +217,11 @@ def parse_args(argv=None):
     p.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES), help="densities (default 0.1 0.05 0.01)")
     p.add_argument("--placements", nargs="+", choices=("optimizer", "hook"), default=["optimizer", "hook"],
                    help="where momentum runs, for error-feedback methods with momentum (default: both)")
+    p.add_argument("--methods", nargs="+", choices=EF_METHODS, default=list(EF_METHODS),
+                   help="error-feedback methods (default: all)")
+    p.add_argument("--no-baseline", action="store_true", help="leave out random-k without error feedback")
+    p.add_argument("--warmup-epochs", type=float, default=0.0,
+                   help="epochs of dense allreduce before sparsifying (SparsifyState.warmup_steps; default 0)")
     p.add_argument("--per-seed", action="store_true", help="also print every run")
     args = p.parse_args(argv)
     if args.seeds is None:
