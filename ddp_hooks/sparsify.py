@@ -17,7 +17,10 @@ arXiv 2009.09271):
 4. Exchange: AllReduce of the values when every rank chose the same positions;
    AllGather of values (plus int32 positions for top-k) otherwise.
 5. Write the average over ranks into ``bucket.buffer()`` in place (zeros
-   elsewhere), as PyTorch's own hooks do.
+   elsewhere), as PyTorch's own hooks do; on the CPU, for float32 buckets
+   that are not the gradients' storage, into a vector kept at zero between
+   steps instead, so only O(k) entries are cleared and written
+   (:mod:`ddp_hooks.sparse_output`).
 
 Steps 1 and 3 happen at the end of the step, when every bucket's exchange
 has finished (DDP waits for all buckets' futures only at the end of backward
@@ -129,9 +132,12 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         bucket (dist.GradBucket): the bucket DDP hands to the hook.
 
     Returns:
-        A future holding ``bucket.buffer()``, overwritten with the average over
-        ranks of each rank's sparsified compensated gradient. It completes
-        when the step's last bucket has been exchanged.
+        A future holding the average over ranks of each rank's sparsified
+        compensated gradient: written into ``bucket.buffer()``, or, for
+        float32 buckets on the CPU without ``gradient_as_bucket_view``, into
+        a vector of the state kept at zero between steps
+        (:mod:`ddp_hooks.sparse_output`), which DDP copies into ``.grad``
+        alike. It completes when the step's last bucket has been exchanged.
     """
     check_hook_call("sparsify_hook", state, SparsifyState, bucket)
     state._bind(bucket)
@@ -151,6 +157,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             state._end_step(index, compressed=False)
         return fut
     sizes = _scan(bucket.gradients())
+    result = buffer
     decay = _decay(state, bucket.parameters(), layout, buffer.numel(), buffer.device)
     if state.scope == "global" and not dense:
         state._waiting.append((buffer, layout, starts, sizes, decay))
@@ -167,10 +174,13 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout]
         else:
             units = [Unit(index, 0, buffer.numel())]
-        state._flights.append(_launch(state, buffer, residual, units, starts, sizes, state.step, decay, velocity,
-                                      everything=dense))
+        flight = _launch(state, buffer, residual, units, starts, sizes, state.step, decay, velocity, everything=dense)
+        if not dense:  # where it pays, the result goes to a vector kept at zero between steps
+            flight.result = state._results.for_bucket(index, buffer, bucket.gradients(), bucket.parameters())
+        state._flights.append(flight)
+        result = buffer if flight.result is None else flight.result.tensor
         if not last:
-            return _wait_for_last(state, buffer)
-    fut = _finish_step(state, buffer)
+            return _wait_for_last(state, result)
+    fut = _finish_step(state, result)
     state._end_step(index, compressed=not dense)
     return fut

@@ -7,7 +7,8 @@ Here: :func:`_launch` selects, packs and starts the collective of one bucket
 and leaves every per-rank state untouched; :func:`_commit`, once all
 exchanges of the step have finished, takes one verdict for the step, folds
 the gradient into the states (:func:`_update_states`) and writes the averages
-into the buckets. Pure tensor work at world size 1, which is what
+into the buckets, or into the zero-kept result vectors of
+:mod:`ddp_hooks.sparse_output` where the hook returns those. Pure tensor work at world size 1, which is what
 ``bench/bench_sparsify_kernels.py`` times.
 """
 
@@ -22,15 +23,16 @@ from .selection import Unit, select, select_topk
 from .sparsify_state import SparsifyState
 
 # What an exchange yields once it has finished: whether any rank sent a
-# non-finite value, and how to write the average into a target vector.
-Result = Tuple[torch.Tensor, Callable[[torch.Tensor], None]]
+# non-finite value, and how to write the average into an all-zero target
+# vector (the write returns the positions it touched).
+Result = Tuple[torch.Tensor, Callable[[torch.Tensor], List[torch.Tensor]]]
 
 
 class _Flight:
     """One exchange in flight, and what the end of the step needs to apply it."""
 
     __slots__ = ("grad", "residual", "positions", "before", "kept", "hold", "future", "outputs", "decay",
-                 "velocity", "velocity_before", "sent")
+                 "velocity", "velocity_before", "sent", "result")
 
     def __init__(self, grad, residual, positions, before, kept, hold, future, outputs=None):
         self.grad = grad  # the gradient (the bucket buffer, or the joined buckets); receives the result
@@ -45,6 +47,7 @@ class _Flight:
         self.velocity = None  # float32 velocity laid out like grad (momentum in the hook), or None
         self.velocity_before = None  # the velocity at `positions` before the step
         self.sent = None  # the float32 values this rank sent at `positions` (scaled units), for the velocity
+        self.result = None  # a SparseOutput that receives the result instead of `grad`, or None
 
 
 def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: Optional[bool] = None) -> None:
@@ -123,8 +126,8 @@ def _decay(state: SparsifyState, params: Sequence[torch.Tensor], layout, numel: 
 
 def _shared_result(positions: torch.Tensor, received: torch.Tensor) -> Result:
     def write(target):
-        target.zero_()
         target.index_copy_(0, positions, received)
+        return [positions]
 
     return ~torch.isfinite(received).all(), write
 
@@ -144,7 +147,6 @@ def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Te
 
     def write(target):
         accumulator = target if target.dtype == torch.float32 else torch.zeros(target.numel(), device=target.device)
-        accumulator.zero_()
         # One index_add_ per rank, in rank order: positions within a rank are
         # distinct, so every rank sums in the same order and replicas stay
         # bitwise equal (a single index_add_ with repeats is nondeterministic
@@ -153,6 +155,7 @@ def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Te
             accumulator.index_add_(0, where, vals.to(accumulator.dtype))
         if accumulator is not target:
             target.copy_(accumulator)
+        return [where for where, _ in parts]
 
     return ~torch.isfinite(values).all(), write
 
@@ -311,7 +314,10 @@ def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.
     inv_scale = None if scale is None else scale.reciprocal()
     for flight, (_, write) in zip(flights, results):
         _update_states(flight, discard, inv_scale)
-        write(flight.grad)
+        if flight.result is None:
+            write(flight.grad.zero_())
+        else:
+            flight.result.written = write(flight.result.clear())
         if flight.outputs is not None:
             for buffer, chunk in zip(flight.outputs, flight.grad.split([b.numel() for b in flight.outputs])):
                 buffer.copy_(chunk)

@@ -14,6 +14,7 @@ from ._validate import check_bool, check_choice, check_float, check_group_ready,
 from .collectives import check_same_on_all_ranks
 from .residuals import Layout, ResidualStore
 from .selection import METHODS
+from .sparse_output import SparseOutputs
 from .stats import CommStats
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ class SparsifyState:
         "_scale", "_flights", "_step_done", "_waiting",
         # top-k: |p| and a candidate mask, kept from step to step (grown to the largest bucket)
         "_scratch_buffers",
+        # CPU, float32: each bucket's result vector, kept at zero between steps (ddp_hooks.sparse_output)
+        "_results",
         # the optimizer check installed at the first hook call holds only a weak reference
         "__weakref__",
     )
@@ -222,6 +225,7 @@ class SparsifyState:
         self._loaded_keys: Optional[set] = None
         self._scale: Optional[torch.Tensor] = None
         self._scratch_buffers: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._results = SparseOutputs()  # per bucket, the result vector kept at zero (CPU, float32)
         self._flights: list = []
         self._step_done: Optional[torch.futures.Future] = None
         self._waiting: list = []
@@ -343,6 +347,7 @@ class SparsifyState:
         self._stats.compressed_steps += int(compressed)
         self.residuals.drop_buckets_after(last_index)
         self.velocities.drop_buckets_after(last_index)
+        self._results.drop_buckets_after(last_index)
         for index in [i for i in self._layouts if i > last_index]:
             del self._layouts[index]
         for what, store in (("residuals", self.residuals), ("velocities", self.velocities)):
