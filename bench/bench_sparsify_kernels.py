@@ -7,8 +7,11 @@ Run (about a minute on 2 cores)::
 Each row runs what :func:`ddp_hooks.sparsify_hook` does for one bucket at
 world size 1, through the hook's own functions (:mod:`ddp_hooks.sparsify_exchange`):
 the finiteness scan, selection, compensation, packing (compression), then the
-verdict, the residual update and the write of the averaged values into the
-zeroed bucket (decompression). Only the collective is absent. Groups are per
+verdict, the residual update and the write of the averaged values
+(decompression) into the result vector the hook returns on the CPU, kept at
+zero between steps (:mod:`ddp_hooks.sparse_output`; elsewhere the hook zeroes
+the bucket and writes there: ``bench/compare_result_paths.py`` times both,
+interleaved). Only the collective is absent. Groups are per
 bucket size and density; ``floor`` is ``residual.add_(grad)`` (error feedback
 must read the gradient and the residual once) and ``copy`` a plain
 ``dst.copy_(grad)``. The summary at the end prints each row's minimum time
@@ -41,7 +44,7 @@ def _group(mb, density):
 class _Bucket:
     """A flat gradient, its residual and layout, and a SparsifyState bound to a world of one."""
 
-    def __init__(self, mb, density, method, scope, aggregation):
+    def __init__(self, mb, density, method, scope, aggregation, into_bucket=False):
         numel = mb * 2**20 // 4
         per_layer = numel // LAYERS
         numel = per_layer * LAYERS
@@ -58,6 +61,7 @@ class _Bucket:
         state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation)
         state._group, state._rank, state._world_size, state._checked = None, 0, 1, True
         self.state = state
+        self.into_bucket = into_bucket  # write into the zeroed bucket (GPUs, gradient_as_bucket_view=True)
 
     def refill(self):
         self.grad.copy_(self.source)
@@ -66,6 +70,8 @@ class _Bucket:
         state = self.state
         state._begin_step(self.grad.device)
         flight = _launch(state, self.grad, self.residual, self.units, self.starts, _scan(self.views), state.step)
+        if not self.into_bucket:  # as the hook on the CPU with float32 gradients
+            flight.result = state._results.for_bucket(0, self.grad, self.views, [])
         _commit(state, [flight], None)
         state.step += 1
 
