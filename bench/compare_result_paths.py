@@ -44,18 +44,18 @@ def main(argv=None):
     for method, scope in (("random_block", "bucket"), ("random_block", "layer"), ("randomk", "bucket"),
                           ("randomk", "layer"), ("topk", "bucket")):
         aggregation = "allgather" if method == "topk" else "allreduce"
-        paths = {True: _Bucket(args.mb, args.density, method, scope, aggregation, into_bucket=True),
-                 False: _Bucket(args.mb, args.density, method, scope, aggregation)}
-        times = {"floor": [], True: [], False: []}
+        paths = {"bucket": _Bucket(args.mb, args.density, method, scope, aggregation, into_bucket=True),
+                 "vector": _Bucket(args.mb, args.density, method, scope, aggregation)}
+        times = {"floor": [], "bucket": [], "vector": []}
         for bucket in paths.values():  # first call: caches and allocations
             bucket.refill()
             bucket.hook_work()
         for _ in range(args.rounds):
             _timed(lambda: residual.add_(grad), lambda: None, times["floor"])
-            for into, bucket in paths.items():
-                _timed(bucket.hook_work, bucket.refill, times[into])
+            for path, bucket in paths.items():
+                _timed(bucket.hook_work, bucket.refill, times[path])
         floor = min(times["floor"])
-        print(f"{method + ', ' + scope:<22} {min(times[True]) / floor:>16.2f} {min(times[False]) / floor:>14.2f}")
+        print(f"{method + ', ' + scope:<22} {min(times['bucket']) / floor:>16.2f} {min(times['vector']) / floor:>14.2f}")
         for bucket in paths.values():
             vars(bucket).clear()
 

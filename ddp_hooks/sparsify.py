@@ -156,7 +156,8 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         if last:
             state._end_step(index, compressed=False)
         return fut
-    sizes = _scan(bucket.gradients())
+    gradients = bucket.gradients()  # views of the buffer, one per parameter
+    sizes = _scan(gradients)
     result = buffer
     decay = _decay(state, bucket.parameters(), layout, buffer.numel(), buffer.device)
     if state.scope == "global" and not dense:
@@ -176,7 +177,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             units = [Unit(index, 0, buffer.numel())]
         flight = _launch(state, buffer, residual, units, starts, sizes, state.step, decay, velocity, everything=dense)
         if not dense:  # where it pays, the result goes to a vector kept at zero between steps
-            flight.result = state._results.for_bucket(index, buffer, bucket.gradients(), bucket.parameters())
+            flight.result = state._results.for_bucket(index, buffer, gradients, bucket.parameters())
         state._flights.append(flight)
         result = buffer if flight.result is None else flight.result.tensor
         if not last:
