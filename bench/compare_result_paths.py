@@ -2,7 +2,7 @@
 
 Run::
 
-    python bench/compare_result_paths.py            # about 10 s
+    python bench/compare_result_paths.py            # about 6 s
 
 On the CPU the sparsify hook writes each step's sparse average into a vector
 kept at zero between steps (:mod:`ddp_hooks.sparse_output`); on GPUs and with

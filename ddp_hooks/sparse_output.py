@@ -4,7 +4,7 @@ A sparsified step's result is zero except at the ``k`` positions some rank
 sent. Writing it into DDP's bucket buffer means zeroing the whole buffer
 first, a full write of the gradient's size; ``bench/compare_result_paths.py``
 measures what avoiding it saves (for random-block on a 25 MB bucket, 0.2 to
-0.5 of the ``residual.add_(grad)`` that error feedback needs anyway, on a
+0.8 of the ``residual.add_(grad)`` that error feedback needs anyway, on a
 2-core CPU). Instead the hook can return a
 vector of its own: DDP copies a hook's result into ``.grad`` from whatever
 tensor the future holds, exactly as it copies from its own buffer. This
