@@ -172,7 +172,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         if state.momentum > 0.0:
             velocity = state.velocities.bucket_residual(index, layout, buffer.numel(), buffer.device)
         if state.scope == "layer":
-            units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout]
+            units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout if n]  # an empty one has no budget
         else:
             units = [Unit(index, 0, buffer.numel())]
         flight = _launch(state, buffer, residual, units, starts, sizes, state.step, decay, velocity, everything=dense)

@@ -305,10 +305,13 @@ class SparsifyState:
             return cached[1], cached[2]
         buffer = bucket.buffer()
         base, size = buffer.data_ptr(), buffer.element_size()
-        layout = []
+        layout, end = [], 0
         for p, g in zip(params, bucket.gradients()):
             key = self._param_keys.setdefault(id(p), len(self._param_keys))
-            layout.append((key, (g.data_ptr() - base) // size, g.numel()))
+            # an empty gradient's data pointer may be anything (often 0): place it where the previous one ended
+            offset = (g.data_ptr() - base) // size if g.numel() else end
+            layout.append((key, offset, g.numel()))
+            end = offset + g.numel()
         layout = tuple(layout)
         offsets = [offset for _, offset, _ in layout]
         if offsets != sorted(offsets):  # the hook maps positions to parameters by binary search

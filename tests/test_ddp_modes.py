@@ -57,13 +57,24 @@ def _sparsify_train(rank, combo, **ddp_kwargs):
     return _train(rank, sparsify_hook, state, **ddp_kwargs)
 
 
-def _mass_error(rank, world, combo, unused_at=None, steps=9, **ddp_kwargs):
+class NetWithEmpty(Net):
+    """Net with a zero-size parameter between its layers (DDP buckets it like any other)."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty = torch.nn.Parameter(torch.zeros(0, 30))
+
+    def forward(self, x):
+        return super().forward(x) + self.empty.sum()
+
+
+def _mass_error(rank, world, combo, unused_at=None, steps=9, net_class=Net, **ddp_kwargs):
     """max |applied gradients + mean residual - mean true gradients| over `steps` steps, parameters held fixed.
 
     unused_at(step) -> the ranks that leave `extra` out at that step.
     """
     method, scope, aggregation = combo
-    net, ref = Net(), Net()
+    net, ref = net_class(), net_class()
     model = DDP(net, bucket_cap_mb=0.002, **ddp_kwargs)
     state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1)
     model.register_comm_hook(state, sparsify_hook)
@@ -164,6 +175,21 @@ def test_sparsify_hook_under_every_ddp_mode():
         assert out["no_sync"] < 1e-6, out["no_sync"]
         assert out["half_odd_k"]
         assert out["fp16_wrapper"]
+
+
+ALL_COMBOS = [(m, s, "allgather" if m == "topk" else "allreduce") for m in ("topk", "randomk", "random_block")
+              for s in ("layer", "bucket", "global")]
+
+
+def _empty_parameter(rank, world):
+    return {combo: _mass_error(rank, world, combo, steps=4, net_class=NetWithEmpty) for combo in ALL_COMBOS}
+
+
+def test_sparsify_hook_with_an_empty_parameter():
+    """A zero-size parameter gets no budget and breaks nothing: mass is conserved in every method and scope."""
+    for out in run_distributed(_empty_parameter, 2, timeout=300):
+        for combo, error in out.items():
+            assert error < 1e-4, (combo, error)
 
 
 def _local_sgd_train(rank, steps=6, accumulate=False, dtype=torch.float32, **ddp_kwargs):
