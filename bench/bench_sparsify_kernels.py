@@ -69,7 +69,8 @@ class _Bucket:
     def hook_work(self):
         state = self.state
         state._begin_step(self.grad.device)
-        flight = _launch(state, self.grad, self.residual, self.units, self.starts, _scan(self.views), state.step)
+        marks = _scan(self.grad, self.views, self.starts)
+        flight = _launch(state, self.grad, self.residual, self.units, self.starts, marks, state.step)
         if not self.into_bucket:  # as the hook on the CPU with float32 gradients
             flight.result = state._results.for_bucket(0, self.grad, self.views, [])
         _commit(state, [flight], None)

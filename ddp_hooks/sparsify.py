@@ -157,11 +157,11 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             state._end_step(index, compressed=False)
         return fut
     gradients = bucket.gradients()  # views of the buffer, one per parameter
-    sizes = _scan(gradients)
+    marks = _scan(buffer, gradients, starts)
     result = buffer
     decay = _decay(state, bucket.parameters(), layout, buffer.numel(), buffer.device)
     if state.scope == "global" and not dense:
-        state._waiting.append((buffer, layout, starts, sizes, decay))
+        state._waiting.append((buffer, layout, starts, marks, decay))
         if not last:
             return _wait_for_last(state, buffer)
         state._flights.append(_launch_global(state, state.step))
@@ -175,7 +175,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout if n]  # an empty one has no budget
         else:
             units = [Unit(index, 0, buffer.numel())]
-        flight = _launch(state, buffer, residual, units, starts, sizes, state.step, decay, velocity, everything=dense)
+        flight = _launch(state, buffer, residual, units, starts, marks, state.step, decay, velocity, everything=dense)
         if not dense:  # where it pays, the result goes to a vector kept at zero between steps
             flight.result = state._results.for_bucket(index, buffer, gradients, bucket.parameters())
         state._flights.append(flight)

@@ -65,29 +65,44 @@ def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: 
         tensor.fill_(value)
 
 
-def _scan(gradients: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per parameter, a float32 size of its gradient: 0 iff the gradient is all zero, non-finite iff it holds inf/NaN.
+def _scan(buffer: torch.Tensor, gradients: Sequence[torch.Tensor], starts: torch.Tensor) -> torch.Tensor:
+    """Per parameter, a float32 mark of its gradient: 0 if all zero, NaN if it holds inf/NaN, else 1.
 
-    One read pass, and no host sync off the CPU. A zero size marks a parameter
-    without a gradient at this step (DDP zero-fills unused parameters); inf
-    and NaN propagate into the size, so they reveal a non-finite gradient.
-    On the CPU, for float32 gradients, the size is ``g . g`` (one BLAS dot,
-    the cheapest full read), checked on the host once for the whole bucket;
-    a parameter whose dot is not finite is measured again as ``max |g|``, so
-    that a finite gradient whose squares overflow (|g| near 1e19) still
-    counts as finite. Elsewhere, and for half-precision gradients, the size
-    is ``max |g|`` from ``aminmax``.
+    A zero mark is a parameter without a gradient at this step (DDP
+    zero-fills unused parameters): its residual is held. A NaN mark is a
+    non-finite gradient, which must reach every rank (see
+    :mod:`ddp_hooks.sparsify`). ``buffer`` is the flat bucket, ``gradients``
+    its per-parameter views, ``starts`` their offsets (on the buffer's device).
+
+    On the CPU, for float32 and float64, one read pass over the bucket:
+    ``sum(buffer)`` is finite iff every entry is (an inf or NaN propagates
+    into the sum; a sum that overflows is measured again per parameter), and
+    a parameter whose first entry is non-zero has a gradient; only the rare
+    parameter whose first entry is zero is read whole. The sum reads one
+    vector, where the ``residual.add_(grad)`` that error feedback needs
+    anyway reads two and writes one. Elsewhere, and for half precision, a
+    parameter's mark comes from its ``max |g|`` (``aminmax``), with no host
+    sync.
     """
     if not gradients:
         return torch.zeros(0)
-    if gradients[0].device.type != "cpu" or gradients[0].dtype not in (torch.float32, torch.float64):
-        return torch.stack([_max_magnitude(g).float() for g in gradients])
-    flat = [g.reshape(-1) for g in gradients]
-    sizes = torch.stack([torch.dot(g, g) if g.numel() else g.new_zeros(()) for g in flat]).float()
-    unsure = torch.nonzero(~torch.isfinite(sizes)).squeeze(1).tolist()  # usually none
-    for i in unsure:
-        sizes[i] = _max_magnitude(gradients[i])
-    return sizes
+    if buffer.device.type != "cpu" or buffer.dtype not in (torch.float32, torch.float64) or not buffer.numel():
+        return _marks(torch.stack([_max_magnitude(g) for g in gradients]))
+    if not torch.isfinite(buffer.sum()):  # an inf or NaN somewhere, or a sum that overflowed
+        return _marks(torch.stack([_max_magnitude(g) for g in gradients]))
+    firsts = buffer.index_select(0, starts.clamp(max=buffer.numel() - 1))
+    marks = (firsts != 0).float()
+    for i, g in enumerate(gradients):
+        if not g.numel():  # its start is the next parameter's (or past the end)
+            marks[i] = 0.0
+    for i in torch.nonzero(marks == 0).squeeze(1).tolist():  # usually only empty ones: read the others whole
+        marks[i] = float(bool(gradients[i].any()))
+    return marks
+
+
+def _marks(magnitudes: torch.Tensor) -> torch.Tensor:
+    """Per-parameter ``max |g|`` (any dtype) as marks: 0 stays 0, inf/NaN becomes NaN, anything else 1."""
+    return (magnitudes != 0).float().masked_fill_(~torch.isfinite(magnitudes), float("nan"))
 
 
 def _max_magnitude(g: torch.Tensor) -> torch.Tensor:
@@ -161,7 +176,7 @@ def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Te
 
 
 def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.Tensor], units: Sequence[Unit],
-            starts: torch.Tensor, sizes: torch.Tensor, step: int, decay: Optional[torch.Tensor] = None,
+            starts: torch.Tensor, marks: torch.Tensor, step: int, decay: Optional[torch.Tensor] = None,
             velocity: Optional[torch.Tensor] = None, everything: bool = False) -> _Flight:
     """Select, pack and start the collective; the per-rank states are left untouched until :func:`_commit`.
 
@@ -192,15 +207,15 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
         values.add_(scaled, alpha=state.momentum)
     hold = None
     if residual is not None:
-        idle = sizes == 0
-        if sizes.device.type != "cpu" or idle.any():  # (on CPU the host may look: usually no parameter is idle)
+        idle = marks == 0
+        if marks.device.type != "cpu" or idle.any():  # (on CPU the host may look: usually no parameter is idle)
             hold = idle[torch.searchsorted(starts, positions, right=True) - 1]
             values.masked_fill_(hold, 0.0)
     sent_values = None if velocity is None else values.clone()  # `wire` may be `values` itself, divided below
     wire = values.to(grad.dtype)
     kept = None if residual is None or wire.dtype == torch.float32 else values - wire.float()
     # A non-finite gradient anywhere in this rank's bucket reaches every rank, even at unsent positions.
-    _fill_if(wire, ~torch.isfinite(sizes).all(), float("nan"))
+    _fill_if(wire, ~torch.isfinite(marks).all(), float("nan"))
     wire.div_(world)  # divide before the collective, as PyTorch's allreduce_hook does
     k = positions.numel()
     sent_bytes = k * wire.element_size()
@@ -245,9 +260,9 @@ def _launch_global(state: SparsifyState, step: int) -> _Flight:
         residual = state.residuals.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
     if state.momentum > 0.0:
         velocity = state.velocities.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
-    sizes = torch.cat([z for _, _, _, z, _ in waiting])
+    marks = torch.cat([m for _, _, _, m, _ in waiting])
     decay = None if state.weight_decay == 0.0 else torch.cat([d for _, _, _, _, d in waiting])
-    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], torch.cat(starts), sizes, step,
+    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], torch.cat(starts), marks, step,
                      decay, velocity)
     flight.outputs = buffers
     return flight

@@ -177,8 +177,8 @@ def test_sparsify_hook_under_every_ddp_mode():
         assert out["fp16_wrapper"]
 
 
-ALL_COMBOS = [(m, s, "allgather" if m == "topk" else "allreduce") for m in ("topk", "randomk", "random_block")
-              for s in ("layer", "bucket", "global")]
+ALL_COMBOS = [(method, scope, "allgather" if method == "topk" else "allreduce")
+              for method in ("topk", "randomk", "random_block") for scope in ("layer", "bucket", "global")]
 
 
 def _empty_parameter(rank, world):

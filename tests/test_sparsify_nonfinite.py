@@ -161,15 +161,31 @@ def test_fill_if_sync_free_path_matches_the_host_path():
 
 
 def test_scan_tells_zero_finite_and_nonfinite_gradients_apart():
+    """Marks 0 (no gradient), 1 (finite gradient), NaN (inf or NaN) for every dtype and every path of the scan."""
     from ddp_hooks.sparsify_exchange import _scan
 
+    late = torch.zeros(6)
+    late[4] = -2.0  # first entry zero, gradient not: the scan must read the whole parameter
     nan, inf = torch.ones(5), torch.ones(2, 2)
     nan[1], inf[0, 1] = float("nan"), float("-inf")
-    big = torch.full((4, 3), 1e20)  # finite, but its squares overflow float32: must still count as finite
-    for dtype in (torch.float32, torch.bfloat16):  # the dot path and the aminmax path
-        grads = [g.to(dtype) for g in (torch.zeros(7), big, nan, inf, torch.randn(3), torch.zeros(0))]
-        sizes = _scan(grads)
-        assert sizes[0] == 0 and sizes[5] == 0, (dtype, sizes)  # no gradient: held
-        assert torch.isfinite(sizes[1]) and sizes[1] > 0, (dtype, sizes)
-        assert not torch.isfinite(sizes[2]) and not torch.isfinite(sizes[3]), (dtype, sizes)
-        assert torch.isfinite(sizes[4]) and sizes[4] > 0, (dtype, sizes)
+    big = torch.full((4, 3), 1e20)  # finite, but its squares overflow float32
+    huge = torch.full((3,), 3e38)  # finite, but its float32 sum overflows: measured again per parameter
+    cases = {  # name: (gradients, expected marks; None for NaN)
+        "finite": ([torch.zeros(7), big, torch.randn(3), torch.zeros(0), late, torch.full((2,), 1e-30)],
+                   [0, 1, 1, 0, 1, 1]),
+        "nan and inf": ([torch.zeros(7), nan, torch.randn(3), inf, late], [0, None, 1, None, 1]),
+        "sum overflows": ([huge, torch.zeros(2), torch.randn(3)], [1, 0, 1]),
+        "empty last": ([torch.randn(3), torch.zeros(0)], [1, 0]),
+    }
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):  # the one-pass path and the aminmax path
+        for name, (grads, expected) in cases.items():
+            if dtype == torch.bfloat16 and name == "sum overflows":
+                continue
+            buffer = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
+            views = list(buffer.split([g.numel() for g in grads]))
+            views = [v.view(g.shape) for v, g in zip(views, grads)]
+            starts = torch.tensor([0] + [g.numel() for g in grads[:-1]]).cumsum(0)
+            marks = _scan(buffer, views, starts)
+            assert marks.dtype == torch.float32 and marks.shape == (len(grads),), (dtype, name, marks)
+            for got, want in zip(marks.tolist(), expected):
+                assert (got != got) if want is None else got == want, (dtype, name, marks)
