@@ -67,21 +67,28 @@ def total_budget(units: Sequence[Unit], density: float) -> int:
     return sum(budget(u.numel, density) for u in units)
 
 
+class _BlockPlan(NamedTuple):
+    """Device tensors of one layout of units for :func:`_block_positions`; only the starts change per step."""
+
+    total: int  # positions in all
+    firsts: torch.Tensor  # index of each unit's first position in the output
+    ks: torch.Tensor
+    size: torch.Tensor
+    offset: torch.Tensor
+    keys: torch.Tensor
+    whole: Optional[torch.Tensor]  # units sent whole (their block starts at 0), or None if there are none
+
+
 @lru_cache(maxsize=256)
-def _block_plan(units: Tuple[Unit, ...], ks: Tuple[int, ...], device: torch.device):
-    """Device tensors describing one block per unit: per position, its index within the block, its
-    unit's offset and index; per unit, size, key and whether it is sent whole. Cached: a bucket's
-    layout rarely changes."""
+def _block_plan(units: Tuple[Unit, ...], ks: Tuple[int, ...], device: torch.device) -> _BlockPlan:
+    """Cached: a bucket's layout rarely changes."""
     ks_t = torch.tensor(ks, device=device)
-    total = int(sum(ks))
-    unit = torch.repeat_interleave(torch.arange(len(ks), device=device), ks_t, output_size=total)
-    within = torch.arange(total, device=device) - (torch.cumsum(ks_t, 0) - ks_t).index_select(0, unit)
-    size = torch.tensor([u.numel for u in units], device=device)
-    offset = torch.tensor([u.offset for u in units], device=device).index_select(0, unit)
-    keys = torch.tensor([u.key for u in units], device=device)
-    whole = [k == u.numel for u, k in zip(units, ks)]  # sent whole: the block starts at 0
-    whole = torch.tensor(whole, device=device) if any(whole) else None
-    return within, size, offset, unit, keys, whole
+    whole = [k == u.numel for u, k in zip(units, ks)]
+    return _BlockPlan(int(sum(ks)), torch.cumsum(ks_t, 0) - ks_t, ks_t,
+                      torch.tensor([u.numel for u in units], device=device),
+                      torch.tensor([u.offset for u in units], device=device),
+                      torch.tensor([u.key for u in units], device=device),
+                      torch.tensor(whole, device=device) if any(whole) else None)
 
 
 def _block_start(seed64: int, numel: int) -> int:
@@ -104,12 +111,23 @@ def _block_positions(units: Sequence[Unit], ks: Sequence[int], seed: int, step: 
             return torch.arange(u.offset + s, u.offset + s + k, device=device)
         return torch.cat([torch.arange(u.offset + s, u.offset + u.numel, device=device),
                           torch.arange(u.offset, u.offset + s + k - u.numel, device=device)])
-    within, size, offset, unit, keys, whole = _block_plan(tuple(units), tuple(ks), torch.device(device))
-    start = _shift_right(derive_seeds(seed, step, keys, rank), 1).remainder_(size)
-    if whole is not None:
-        start.masked_fill_(whole, 0)
-    per_position = start.index_select(0, unit)
-    return (within + per_position).remainder_(size.index_select(0, unit)).add_(offset)
+    plan = _block_plan(tuple(units), tuple(ks), torch.device(device))
+    start = _shift_right(derive_seeds(seed, step, plan.keys, rank), 1).remainder_(plan.size)
+    if plan.whole is not None:
+        start.masked_fill_(plan.whole, 0)
+    # The positions are a running sum of steps: 1 inside a block, a jump at
+    # each block's first position, 1 - n where a block wraps. One cumsum over
+    # the positions, where ``(start + j) mod n`` needs a gather of each unit's
+    # start and an integer division per position.
+    first = plan.offset + start
+    wraps = (start + plan.ks > plan.size).long()
+    last = first + plan.ks - 1 - plan.size * wraps
+    previous_last = torch.cat([last.new_zeros(1), last[:-1]])  # the sum starts from 0
+    steps = torch.ones(plan.total, dtype=torch.int64, device=start.device)
+    steps.index_add_(0, plan.firsts, first - previous_last - 1)
+    wrap_at = plan.firsts + torch.minimum(plan.size - start, plan.ks - 1)  # inside the block even without a wrap
+    steps.index_add_(0, wrap_at, -plan.size * wraps)
+    return torch.cumsum(steps, 0)
 
 
 def select(

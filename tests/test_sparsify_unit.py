@@ -92,13 +92,17 @@ def test_random_block_wraps_around_the_end_of_the_unit():
 
 @pytest.mark.parametrize("rank", [SHARED, 3])
 def test_blocks_of_many_units_equal_the_blocks_of_each_unit_alone(rank):
-    # several units: starts derived on the device; one unit: on the host. Both must agree.
-    units = [Unit(7, 0, 1), Unit(2, 1, 50), Unit(9, 51, 1000), Unit(4, 1051, 1)]
-    together = select("random_block", torch.zeros(1052), units, 0.05, seed=11, step=6, rank=rank)
-    alone = torch.cat([select("random_block", torch.zeros(1052), [u], 0.05, seed=11, step=6, rank=rank)
-                       for u in units])
-    assert torch.equal(together, alone)
-    assert together[0].item() == 0 and together[-1].item() == 1051  # one-entry units are sent whole
+    # several units: starts derived on the device, positions by one cumsum; one unit: on the host, by
+    # arange. Both must agree, wrapped blocks, gaps between units and units sent whole included.
+    units = [Unit(7, 0, 1), Unit(2, 1, 50), Unit(9, 51, 1000), Unit(4, 1051, 1), Unit(5, 1060, 20), Unit(6, 1090, 3)]
+    wrapped = 0
+    for step in range(40):
+        together = select("random_block", torch.zeros(1093), units, 0.15, seed=11, step=step, rank=rank)
+        alone = [select("random_block", torch.zeros(1093), [u], 0.15, seed=11, step=step, rank=rank) for u in units]
+        assert torch.equal(together, torch.cat(alone)), step
+        assert together[0].item() == 0 and alone[3].item() == 1051  # one-entry units are sent whole
+        wrapped += sum(int(part.diff().lt(0).any()) for part in alone)
+    assert wrapped > 10  # the wrapped blocks were exercised
 
 
 @pytest.mark.parametrize("method", ["randomk", "random_block"])
