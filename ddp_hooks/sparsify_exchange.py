@@ -20,6 +20,7 @@ from .collectives import allgather, allreduce_sum
 from .residuals import GLOBAL_BUCKET
 from .seeding import SHARED
 from .selection import Unit, select, select_topk
+from .sparse_output import zero_at
 from .sparsify_state import SparsifyState
 
 # What an exchange yields once it has finished: whether any rank sent a
@@ -32,7 +33,7 @@ class _Flight:
     """One exchange in flight, and what the end of the step needs to apply it."""
 
     __slots__ = ("grad", "residual", "positions", "before", "kept", "hold", "future", "outputs", "decay",
-                 "velocity", "velocity_before", "sent", "result")
+                 "velocity", "velocity_before", "sent", "result", "cancelled")
 
     def __init__(self, grad, residual, positions, before, kept, hold, future, outputs=None):
         self.grad = grad  # the gradient (the bucket buffer, or the joined buckets); receives the result
@@ -48,6 +49,7 @@ class _Flight:
         self.velocity_before = None  # the velocity at `positions` before the step
         self.sent = None  # the float32 values this rank sent at `positions` (scaled units), for the velocity
         self.result = None  # a SparseOutput that receives the result instead of `grad`, or None
+        self.cancelled = False  # grad at `positions` holds -before: e + grad is exactly 0 there
 
 
 def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: Optional[bool] = None) -> None:
@@ -139,12 +141,25 @@ def _decay(state: SparsifyState, params: Sequence[torch.Tensor], layout, numel: 
     return decay
 
 
+def _holds_nonfinite(received: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor: ``received`` holds an inf or NaN.
+
+    On the CPU one float32 sum decides when it is finite (an inf or NaN
+    propagates into it); only a sum that is not finite, which an overflow
+    can also cause, is followed by the elementwise check. Elsewhere the
+    elementwise check, which needs no host sync.
+    """
+    if received.device.type == "cpu" and bool(torch.isfinite(received.sum(dtype=torch.float32))):
+        return torch.zeros((), dtype=torch.bool)
+    return ~torch.isfinite(received).all()
+
+
 def _shared_result(positions: torch.Tensor, received: torch.Tensor) -> Result:
     def write(target):
-        target.index_copy_(0, positions, received)
+        target.scatter_(0, positions, received)  # positions are distinct: a plain copy, faster than index_copy_
         return [positions]
 
-    return ~torch.isfinite(received).all(), write
+    return _holds_nonfinite(received), write
 
 
 def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Tensor, value_dtype: torch.dtype,
@@ -172,7 +187,7 @@ def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Te
             target.copy_(accumulator)
         return [where for where, _ in parts]
 
-    return ~torch.isfinite(values).all(), write
+    return _holds_nonfinite(values), write
 
 
 def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.Tensor], units: Sequence[Unit],
@@ -200,6 +215,14 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
         before = residual.index_select(0, positions)
     carried = _carried(before, None if decay is None else decay.index_select(0, positions))
     values = _compensated(grad.index_select(0, positions), carried, state._scale)
+    # Where no scale or decay enters the update, cancel the residual now, while the
+    # lines just read are in cache: grad = -e at the sent positions makes the
+    # commit's e + grad exactly 0 there, and spares it a scattered write into e.
+    # (grad, the bucket, is overwritten with the result in any case.)
+    cancelled = (before is not None and not everything and decay is None and state._scale is None
+                 and grad.dtype == torch.float32)
+    if cancelled:
+        grad.scatter_(0, positions, before.neg())
     velocity_before = None
     if velocity is not None:  # momentum in sends: w = m w + p where this rank sends
         velocity_before = velocity.index_select(0, positions)
@@ -224,7 +247,7 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     if shared:
         state._stats.add(k, sent_bytes, *dense)
         future = allreduce_sum(wire, group, world).then(lambda f: _shared_result(positions, f.value()))
-        return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values)
+        return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values, cancelled)
 
     index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
     if state.method == "topk":
@@ -235,12 +258,14 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     state._stats.add(k, sent_bytes, *dense)
     future = allgather(payload, group, world).then(
         lambda f: _gathered_result(state, units, step, positions, wire.dtype, index_dtype, f.value()))
-    return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values)
+    return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values, cancelled)
 
 
-def _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent):
+def _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent,
+            cancelled):
     flight = _Flight(grad, residual, positions, before, kept, hold, future)
     flight.decay, flight.velocity, flight.velocity_before, flight.sent = decay, velocity, velocity_before, sent
+    flight.cancelled = cancelled
     return flight
 
 
@@ -306,9 +331,10 @@ def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[t
     # kept positions had no gradient added (a held parameter's is 0, a discarded step's was zeroed): e before
     if keep is None:
         if left is None:
-            e.index_fill_(0, positions, 0.0)
+            if not flight.cancelled:  # (cancelled: e + grad is 0 at `positions` already)
+                zero_at(e, positions)
         else:
-            e.index_copy_(0, positions, left)
+            e.scatter_(0, positions, left)
     else:
         if left is None:
             left = torch.zeros((), dtype=e.dtype, device=e.device)
@@ -316,7 +342,7 @@ def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[t
     if flight.velocity is not None:
         sent = flight.sent if inv_scale is None else flight.sent * inv_scale
         if keep is None:
-            flight.velocity.index_copy_(0, positions, sent)
+            flight.velocity.scatter_(0, positions, sent)
         else:
             flight.velocity.index_put_((positions,), torch.where(keep, flight.velocity_before, sent))
 
