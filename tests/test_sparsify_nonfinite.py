@@ -189,3 +189,16 @@ def test_scan_tells_zero_finite_and_nonfinite_gradients_apart():
             assert marks.dtype == torch.float32 and marks.shape == (len(grads),), (dtype, name, marks)
             for got, want in zip(marks.tolist(), expected):
                 assert (got != got) if want is None else got == want, (dtype, name, marks)
+
+
+def test_received_values_are_judged_by_their_entries_not_by_their_sum():
+    from ddp_hooks.sparsify_exchange import _holds_nonfinite
+
+    nan, inf = torch.ones(6), torch.ones(6)
+    nan[4], inf[2] = float("nan"), float("inf")
+    cases = [(torch.randn(6), False), (torch.full((4,), 3e38), False),  # finite: a float32 sum that overflows
+             (nan, True), (inf, True), (torch.zeros(0), False), (torch.full((3, 2), 6e4, dtype=torch.float16), False)]
+    for values, expected in cases:
+        got = _holds_nonfinite(values)
+        assert got.dtype == torch.bool and got.dim() == 0 and bool(got) == expected, (values, got)
+    assert bool(_holds_nonfinite(inf.half())) and bool(_holds_nonfinite(nan.to(torch.bfloat16)))
