@@ -9,13 +9,15 @@ units are drawn together, with no generator per unit:
    for ``j < d_u`` (gamma the SplitMix64 increment, so nearby seeds give
    unrelated streams), with ``d_u`` a little above the expected number of
    draws that yields ``k_u`` distinct values, ``n_u ln(n_u / (n_u - k_u))``;
-2. one stable sort by (unit, position) finds each value's first draw;
+2. one stable sort of the absolute positions (units are disjoint and
+   ascending) finds each value's first draw;
 3. each unit keeps the first ``k_u`` distinct values in draw order.
 
 Drawing with replacement and skipping repeats until ``k_u`` distinct values
 have come is sequential sampling without replacement, so the result is
 exactly a uniform ``k_u``-subset. A unit whose draws fall short (rare: the
-margin is three standard deviations plus 64) draws twice as many. A large unit
+margin is six standard deviations plus 8, see :func:`_draws`) draws twice as
+many; as the draws are a fixed sequence, that changes nothing in the choice. A large unit
 with a budget of a quarter or more of it takes a seeded ``torch.randperm``
 instead, which is cheaper there. Everything else is a pure function of the
 seeds, identical on every device.
@@ -46,9 +48,19 @@ _DRAW_LIMIT = 1 << 12
 
 
 def _draws(n: int, k: int) -> int:
-    """Draws with replacement that give ``k`` distinct values of ``n`` with a wide margin."""
+    """Draws with replacement that give ``k`` distinct values of ``n`` but for a vanishing chance.
+
+    The draws needed, ``D``, have mean ``sum_{i<k} n / (n - i)`` and variance
+    ``sum_{i<k} (i / n) / (1 - i / n)**2``; both sums are bounded above by
+    their integrals, ``n ln(n / (n - k))`` and ``n (r / (1 - r) + ln(1 - r))``
+    with ``r = k / n``. The margin is six standard deviations plus 8; a unit
+    that still falls short draws twice as many (the result does not depend
+    on the number of draws, only on the first ``k`` distinct values).
+    """
     expected = n * math.log(n / (n - k + 0.5))
-    return int(expected + 3 * math.sqrt(expected)) + 64
+    r = min(k, n - 0.5) / n
+    variance = max(0.0, n * (r / (1 - r) + math.log1p(-r)))
+    return min(int(expected + 6 * math.sqrt(variance)) + 8, 1 << 40)
 
 
 def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int], keys: Sequence[int],
@@ -93,14 +105,14 @@ class _Plan(NamedTuple):
     keys: Tuple[int, ...]
     draws: Tuple[int, ...]
     unit: torch.Tensor  # unit of each draw
-    j: torch.Tensor  # index of each draw within its unit
+    stride: torch.Tensor  # j * gamma for the j-th draw of its unit (wrapping int64)
     size: torch.Tensor  # size of the unit of each draw
+    offset: torch.Tensor  # offset of the unit of each draw
     first: torch.Tensor  # first draw of each unit
     last: torch.Tensor  # last draw of each unit
     ks_t: torch.Tensor
-    offsets_t: torch.Tensor
     keys_t: torch.Tensor
-    position_bits: int
+    narrow: bool  # positions fit int32, which sorts faster than int64 on the CPU
 
 
 @lru_cache(maxsize=256)
@@ -109,35 +121,34 @@ def _plan(offsets, sizes, ks, keys, draws, device) -> _Plan:
     unit = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=sum(draws))
     first = torch.cumsum(counts, 0) - counts
     j = torch.arange(unit.numel(), device=device) - first.index_select(0, unit)
-    size = torch.tensor(sizes, device=device).index_select(0, unit)
-    return _Plan(offsets, sizes, ks, keys, draws, unit, j, size, first, first + counts - 1,
-                 torch.tensor(ks, device=device), torch.tensor(offsets, device=device),
-                 torch.tensor(keys, device=device), max(1, (max(sizes) - 1).bit_length()))
+    return _Plan(offsets, sizes, ks, keys, draws, unit, j * _GAMMA,
+                 torch.tensor(sizes, device=device).index_select(0, unit),
+                 torch.tensor(offsets, device=device).index_select(0, unit),
+                 first, first + counts - 1, torch.tensor(ks, device=device), torch.tensor(keys, device=device),
+                 offsets[-1] + sizes[-1] <= 2**31 - 1)
 
 
 def _first_distinct_draws(plan: _Plan, seed: int, step: int, rank: int) -> torch.Tensor:
     """For each unit, the first ``k_u`` distinct values of ``d_u`` hashed draws (one stable sort)."""
-    unit, first = plan.unit, plan.first
-    unit_seed = derive_seeds(seed, step, plan.keys_t, rank).index_select(0, unit)
-    position = uniform_below(splitmix64_tensor(unit_seed + plan.j * _GAMMA), plan.size)
-    # Stable sort by (unit, position): the first entry of each run of equal
-    # values is that value's first draw.
-    composite = (unit << plan.position_bits) | position
-    if plan.position_bits + len(plan.sizes).bit_length() <= 31:
-        composite = composite.int()  # int32 sorts about twice as fast as int64 on the CPU
-    grouped, order = torch.sort(composite, stable=True)
+    unit_seed = derive_seeds(seed, step, plan.keys_t, rank).index_select(0, plan.unit)
+    position = uniform_below(splitmix64_tensor(unit_seed.add_(plan.stride)), plan.size).add_(plan.offset)
+    # Units are disjoint and ascending, so a stable sort of the absolute
+    # positions groups each unit's equal values in draw order: the first
+    # entry of each run of equal values is that value's first draw.
+    grouped, order = torch.sort(position.int() if plan.narrow else position, stable=True)
     first_of_run = torch.ones_like(grouped, dtype=torch.bool)
-    first_of_run[1:] = grouped[1:] != grouped[:-1]
+    torch.ne(grouped[1:], grouped[:-1], out=first_of_run[1:])
     new_value = torch.empty_like(first_of_run).scatter_(0, order, first_of_run)  # back in draw order
-    seen_before = torch.cumsum(new_value, 0) - new_value.long()  # distinct values drawn earlier
-    rank_in_unit = seen_before - seen_before.index_select(0, first).index_select(0, unit)
-    have = rank_in_unit.index_select(0, plan.last) + new_value.index_select(0, plan.last)
+    distinct = torch.cumsum(new_value, 0)  # distinct values up to each draw, inclusive
+    at_first = distinct.index_select(0, plan.first)  # a unit's first draw is always new
+    have = distinct.index_select(0, plan.last) - at_first + 1
     short = torch.nonzero(have < plan.ks_t).squeeze(1).tolist()  # a device-to-host sync
     if short:  # very unlikely: those units draw twice as many
         more = list(plan.draws)
         for u in short:
             more[u] = 2 * more[u]
-        bigger = _plan(plan.offsets, plan.sizes, plan.ks, plan.keys, tuple(more), unit.device)
+        bigger = _plan(plan.offsets, plan.sizes, plan.ks, plan.keys, tuple(more), plan.unit.device)
         return _first_distinct_draws(bigger, seed, step, rank)
-    keep = torch.nonzero(new_value & (rank_in_unit < plan.ks_t.index_select(0, unit))).squeeze(1)
-    return position.index_select(0, keep) + plan.offsets_t.index_select(0, unit.index_select(0, keep))
+    # a new value is kept while its unit has fewer than k_u: distinct < at_first + k_u
+    keep = new_value & (distinct < (at_first + plan.ks_t).index_select(0, plan.unit))
+    return torch.masked_select(position, keep)

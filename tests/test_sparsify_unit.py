@@ -137,6 +137,20 @@ def test_large_random_subsets_are_uniform_and_distinct():
     assert ((counts - 1000) ** 2 / 1000).sum().item() < 160  # chi-square, 99 dof: p < 1e-4 above 160
 
 
+def test_a_unit_short_of_draws_draws_more_and_chooses_alike(monkeypatch):
+    """The choice is the first k distinct draws: how many are drawn up front changes nothing, and too few is mended."""
+    import ddp_hooks.randomk_selection as randomk
+
+    args = ([0, 3000, 3100], [3000, 100, 5000], [300, 60, 50], [4, 5, 6], 7, 3, SHARED, torch.device("cpu"))
+    expected = randomk.random_subsets(*args)
+    monkeypatch.setattr(randomk, "_draws", lambda n, k: k)  # repeats are near certain: every unit falls short
+    calls = []
+    original = randomk._first_distinct_draws
+    monkeypatch.setattr(randomk, "_first_distinct_draws", lambda *a: calls.append(a[0].draws) or original(*a))
+    assert torch.equal(randomk.random_subsets(*args), expected)
+    assert len(calls) > 1 and calls[0] == (300, 60, 50)
+
+
 def test_random_subsets_cover_all_positions_alike_across_steps():
     from ddp_hooks.randomk_selection import random_subsets
 
