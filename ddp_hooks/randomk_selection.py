@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,14 +74,8 @@ def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[in
             gives the unit's seed ``derive_seed(seed, step, key, rank)``.
         device: where the positions are made.
     """
-    dense = [n > _DRAW_LIMIT and 4 * k >= n for n, k in zip(sizes, ks)]
-    drawn = [u for u, d in enumerate(dense) if not d]
-    from_draws = None
-    if drawn:
-        plan = _plan(tuple(offsets[u] for u in drawn), tuple(sizes[u] for u in drawn),
-                     tuple(ks[u] for u in drawn), tuple(keys[u] for u in drawn),
-                     tuple(_draws(sizes[u], ks[u]) for u in drawn), torch.device(device))
-        from_draws = _first_distinct_draws(plan, seed, step, rank)
+    dense, plan = _split(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), torch.device(device))
+    from_draws = None if plan is None else _first_distinct_draws(plan, seed, step, rank)
     if not any(dense):
         return from_draws
     parts: List[torch.Tensor] = []
@@ -94,6 +88,18 @@ def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[in
             parts.append(from_draws[taken:taken + k])
             taken += k
     return torch.cat(parts)
+
+
+@lru_cache(maxsize=256)
+def _split(offsets, sizes, ks, keys, device) -> Tuple[Tuple[bool, ...], Optional["_Plan"]]:
+    """Which units take ``randperm`` (large, with a budget of a quarter or more), and the plan of the others."""
+    dense = tuple(n > _DRAW_LIMIT and 4 * k >= n for n, k in zip(sizes, ks))
+    drawn = [u for u, d in enumerate(dense) if not d]
+    if not drawn:
+        return dense, None
+    return dense, _plan(tuple(offsets[u] for u in drawn), tuple(sizes[u] for u in drawn),
+                        tuple(ks[u] for u in drawn), tuple(keys[u] for u in drawn),
+                        tuple(_draws(sizes[u], ks[u]) for u in drawn), device)
 
 
 class _Plan(NamedTuple):

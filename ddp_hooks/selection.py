@@ -64,7 +64,13 @@ def budget(numel: int, density: float) -> int:
 
 
 def total_budget(units: Sequence[Unit], density: float) -> int:
-    return sum(budget(u.numel, density) for u in units)
+    return sum(_budgets(tuple(units), density))
+
+
+@lru_cache(maxsize=1024)
+def _budgets(units: Tuple[Unit, ...], density: float) -> Tuple[int, ...]:
+    """Each unit's budget; cached, as a bucket's units repeat every step."""
+    return tuple(budget(u.numel, density) for u in units)
 
 
 class _BlockPlan(NamedTuple):
@@ -155,7 +161,8 @@ def select(
         The concatenation over units of each unit's positions, unit by unit.
     """
     device = values.device
-    ks = [budget(u.numel, density) for u in units]
+    units = tuple(units)
+    ks = _budgets(units, density)
     if method == "random_block":
         return _block_positions(units, ks, seed, step, rank, device)
     if method not in METHODS:
@@ -177,7 +184,8 @@ def select_topk(magnitude: torch.Tensor, units: Sequence[Unit], density: float,
     The hook computes ``|p|`` into memory it keeps from step to step; a fresh
     25 MB allocation per bucket costs page faults on the CPU.
     """
-    ks = [budget(u.numel, density) for u in units]
+    units = tuple(units)
+    ks = _budgets(units, density)
     if all(k == u.numel for u, k in zip(units, ks)) or not _ascending(units):
         return select("topk", magnitude, units, density, 0, 0)
     return topk_units(magnitude, [u.offset for u in units], [u.numel for u in units], ks, mask)
