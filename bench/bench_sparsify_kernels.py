@@ -14,10 +14,15 @@ the bucket and writes there: ``bench/compare_result_paths.py`` times both,
 interleaved). Only the collective is absent. Groups are per
 bucket size and density; ``floor`` is ``residual.add_(grad)`` (error feedback
 must read the gradient and the residual once) and ``copy`` a plain
-``dst.copy_(grad)``. The summary at the end prints each row's minimum time
-over the floor's, from the same run. ``extra_info`` holds the bytes a rank
+``dst.copy_(grad)``. Each hook row also times the floor once before each of
+its rounds (on tensors of its own), so that its ratio compares times taken
+minutes apart by no more than a round. The summary at the end prints each
+row's minimum time over that interleaved floor's minimum, and over the
+floor row's. ``extra_info`` holds the bytes a rank
 sends per call (values, plus int32 positions for top-k) and the density.
 """
+
+import time
 
 import pytest
 import torch
@@ -31,6 +36,7 @@ DENSITIES = (0.01, 0.1)
 # One thread for every row: the floor and the hook's many small operations compare per core
 # (with DDP on the CPU each rank gets a share of the cores anyway).
 torch.set_num_threads(1)
+ROUNDS = 15
 LAYERS = 50  # "layer" scope: the bucket holds 50 equal layers, like a mid-size CNN's bucket
 CONFIGS = [("random_block", "bucket", "allreduce"), ("random_block", "layer", "allreduce"),
            ("randomk", "bucket", "allreduce"), ("randomk", "layer", "allreduce"),
@@ -99,8 +105,21 @@ def test_hook(benchmark, mb, density, config):
     bucket.hook_work()  # first call: caches (layout tensors) and allocations
     sent = bucket.state.stats()["bytes_sent"]
     benchmark.extra_info.update(bytes_sent=sent, density=density)
-    benchmark.pedantic(bucket.hook_work, setup=bucket.refill, rounds=10, warmup_rounds=1)
+    # The floor again, timed before every round of this row: the row's own floor, under the same drift
+    # of this machine's memory speed (rows run one after the other, and that drift can exceed 20 %).
+    residual, grad = torch.zeros(bucket.grad.numel()), torch.randn(bucket.grad.numel())
+    floor_times = []
+
+    def floor_then_refill():
+        start = time.perf_counter()
+        residual.add_(grad)
+        floor_times.append(time.perf_counter() - start)
+        bucket.refill()
+
+    benchmark.pedantic(bucket.hook_work, setup=floor_then_refill, rounds=ROUNDS, warmup_rounds=1)
+    benchmark.extra_info["own_floor_min_s"] = min(floor_times)
     assert torch.isfinite(bucket.residual).all()
+    del residual, grad
     # pytest-benchmark keeps the benchmarked callable until the session ends; release the buffers now,
     # or later rows run beside gigabytes of dead buckets (and measurably slower)
     vars(bucket).clear()

@@ -83,9 +83,13 @@ def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
         True
     """
     x = x + _GAMMA
-    x = (x ^ _shift_right(x, 30)) * _MUL1
-    x = (x ^ _shift_right(x, 27)) * _MUL2
-    return x ^ _shift_right(x, 31)
+    shifted = torch.empty_like(x)  # the rounds run in place: two buffers, not one per operation
+    for bits, multiplier in ((30, _MUL1), (27, _MUL2), (31, None)):
+        torch.bitwise_right_shift(x, bits, out=shifted).bitwise_and_((1 << (64 - bits)) - 1)  # logical shift
+        x.bitwise_xor_(shifted)
+        if multiplier is not None:
+            x.mul_(multiplier)
+    return x
 
 
 def derive_seeds(seed: int, step: int, units: torch.Tensor, rank: int = SHARED) -> torch.Tensor:
