@@ -11,15 +11,19 @@ verdict, the residual update and the write of the averaged values
 (decompression) into the result vector the hook returns on the CPU, kept at
 zero between steps (:mod:`ddp_hooks.sparse_output`; elsewhere the hook zeroes
 the bucket and writes there: ``bench/compare_result_paths.py`` times both,
-interleaved). Only the collective is absent. Groups are per
-bucket size and density; ``floor`` is ``residual.add_(grad)`` (error feedback
-must read the gradient and the residual once) and ``copy`` a plain
-``dst.copy_(grad)``. Each hook row also times the floor once before each of
-its rounds (on tensors of its own), so that its ratio compares times taken
-minutes apart by no more than a round. The summary at the end prints each
-row's minimum time over that interleaved floor's minimum, and over the
-floor row's. ``extra_info`` holds the bytes a rank
-sends per call (values, plus int32 positions for top-k) and the density.
+interleaved). Only the collective is absent.
+
+Groups are per bucket size and density. ``floor`` is ``residual.add_(grad)``
+(error feedback must read the gradient and the residual once), ``copy`` a
+plain ``dst.copy_(grad)``, ``scan`` the hook's search for inf/NaN and for
+parameters without a gradient on its own (a part of every hook row). Each
+hook row and the scan also time the floor before every one of their rounds,
+on tensors of their own: rows run one after the other, and this machine's
+memory speed drifts by 20 % and more in between. The summary at the end
+prints each row's minimum time over that interleaved floor's minimum
+(``x floor``) and over the floor row's (``x row``). ``extra_info`` holds the
+bytes a rank sends per call (values, plus int32 positions for top-k) and the
+density.
 """
 
 import time
@@ -95,6 +99,26 @@ def test_baseline(benchmark, mb, density, baseline):
     del grad, other
 
 
+def _run_with_own_floor(benchmark, work, refill, numel):
+    """Time ``work`` after ``refill``, and the floor once before each round, on tensors of the row's own.
+
+    The row's ratio then compares times taken no more than a round apart
+    (rows run one after the other, and this machine's memory speed drifts by
+    20 % and more between them).
+    """
+    residual, grad = torch.zeros(numel), torch.randn(numel)
+    floor_times = []
+
+    def floor_then_refill():
+        start = time.perf_counter()
+        residual.add_(grad)
+        floor_times.append(time.perf_counter() - start)
+        refill()
+
+    benchmark.pedantic(work, setup=floor_then_refill, rounds=ROUNDS, warmup_rounds=1)
+    benchmark.extra_info["own_floor_min_s"] = min(floor_times)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=["-".join(c) for c in CONFIGS])
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("mb", SIZES_MB)
@@ -105,21 +129,20 @@ def test_hook(benchmark, mb, density, config):
     bucket.hook_work()  # first call: caches (layout tensors) and allocations
     sent = bucket.state.stats()["bytes_sent"]
     benchmark.extra_info.update(bytes_sent=sent, density=density)
-    # The floor again, timed before every round of this row: the row's own floor, under the same drift
-    # of this machine's memory speed (rows run one after the other, and that drift can exceed 20 %).
-    residual, grad = torch.zeros(bucket.grad.numel()), torch.randn(bucket.grad.numel())
-    floor_times = []
-
-    def floor_then_refill():
-        start = time.perf_counter()
-        residual.add_(grad)
-        floor_times.append(time.perf_counter() - start)
-        bucket.refill()
-
-    benchmark.pedantic(bucket.hook_work, setup=floor_then_refill, rounds=ROUNDS, warmup_rounds=1)
-    benchmark.extra_info["own_floor_min_s"] = min(floor_times)
+    _run_with_own_floor(benchmark, bucket.hook_work, bucket.refill, bucket.grad.numel())
     assert torch.isfinite(bucket.residual).all()
-    del residual, grad
     # pytest-benchmark keeps the benchmarked callable until the session ends; release the buffers now,
     # or later rows run beside gigabytes of dead buckets (and measurably slower)
+    vars(bucket).clear()
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("mb", SIZES_MB)
+def test_scan(benchmark, mb, density):
+    """The finiteness and idle scan alone (part of every hook row): one read of the gradient."""
+    benchmark.group = _group(mb, density)
+    bucket = _Bucket(mb, density, "random_block", "layer", "allreduce")
+    bucket.refill()
+    _run_with_own_floor(benchmark, lambda: _scan(bucket.grad, bucket.views, bucket.starts), bucket.refill,
+                        bucket.grad.numel())
     vars(bucket).clear()

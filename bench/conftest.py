@@ -16,7 +16,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             continue
         base = floor[0]["min"]
         for b in sorted(members, key=lambda b: b["min"]):
-            label = b["name"][b["name"].index("[") + 1:-1].split("-", 2)[-1]
+            params = b["name"][b["name"].index("[") + 1:-1].split("-", 2)  # size, density[, row]
+            label = params[2] if len(params) == 3 else b["name"].split("[")[0].replace("test_", "", 1)
             own = b["extra_info"].get("own_floor_min_s")
             rows.append((group, label, b["min"] * 1e3, "" if own is None else f"{b['min'] / own:.2f}",
                          b["min"] / base, b["extra_info"].get("bytes_sent", 0)))
