@@ -1,6 +1,6 @@
 """The sparsify hook's own work on one bucket, beside the add_ floor and a plain copy (pytest-benchmark).
 
-Run (about a minute on 2 cores)::
+Run (about 20 s on 2 cores)::
 
     python -m pytest bench/bench_sparsify_kernels.py -p no:cacheprovider
 
