@@ -17,9 +17,9 @@ Drawing with replacement and skipping repeats until ``k_u`` distinct values
 have come is sequential sampling without replacement, so the result is
 exactly a uniform ``k_u``-subset. A unit whose draws fall short (rare: the
 margin is six standard deviations plus 8, see :func:`_draws`) draws twice as
-many; as the draws are a fixed sequence, that changes nothing in the choice. A large unit
-with a budget of a quarter or more of it takes a seeded ``torch.randperm``
-instead, which is cheaper there. Everything else is a pure function of the
+many; as the draws are a fixed sequence, that changes nothing in the choice.
+A large unit with a budget of a quarter or more of it takes a seeded
+``torch.randperm`` instead, which is cheaper there. Everything else is a pure function of the
 seeds, identical on every device.
 
 Example::
@@ -60,7 +60,7 @@ def _draws(n: int, k: int) -> int:
     expected = n * math.log(n / (n - k + 0.5))
     r = min(k, n - 0.5) / n
     variance = max(0.0, n * (r / (1 - r) + math.log1p(-r)))
-    return min(int(expected + 6 * math.sqrt(variance)) + 8, 1 << 40)
+    return int(expected + 6 * math.sqrt(variance)) + 8
 
 
 def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int], keys: Sequence[int],
