@@ -23,7 +23,7 @@ def test_clear_zeroes_what_was_written_or_everything_when_unknown():
     out = SparseOutput(100, torch.device("cpu"))
     out.clear()[torch.tensor([3, 50])] = 7.0
     out.written = [torch.tensor([3, 50])]
-    assert not out.clear().any()  # index_fill_ of the two positions
+    assert not out.clear().any()  # zero_at (a scatter) of the two positions
     out.tensor.fill_(1.0)  # written is None after clear(): unknown, so a full zero follows
     assert not out.clear().any()
     out.tensor[:60] = 2.0
