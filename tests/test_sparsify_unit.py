@@ -79,30 +79,68 @@ def test_topk_keeps_the_largest_magnitudes():
     assert sorted(select("topk", p, [Unit(0, 0, 6)], 0.34, 0, 0).tolist()) == [1, 2, 3]  # k = ceil(2.04) = 3
 
 
-def test_random_block_wraps_around_the_end_of_the_unit():
+def _runs(positions, n):
+    """Contiguous runs in a unit's positions, read as a ring (a run may cross the end of the unit)."""
+    ordered = positions.sort().values
+    breaks = int((ordered.diff() != 1).sum()) + 1
+    if ordered[0] == 0 and ordered[-1] == n - 1 and breaks > 1:
+        breaks -= 1  # the run that crosses the end
+    return breaks
+
+
+@pytest.mark.parametrize("n,k,b", [(50, 10, 4), (37, 5, 16), (1000, 10, 16), (4096, 41, 16), (100, 99, 8),
+                                   (10, 1, 16), (200, 30, 1)])
+def test_random_block_sends_k_entries_in_a_set_of_blocks(n, k, b):
+    for step in range(100):
+        idx = select("random_block", torch.zeros(n), [Unit(0, 0, n)], k / n, seed=2, step=step, block_size=b)
+        assert idx.numel() == k and idx.unique().numel() == k and 0 <= idx.min() and idx.max() < n
+        # ceil(k / b) blocks, the last one trimmed, plus one where a block crosses the end of the unit
+        assert _runs(idx, n) <= -(-k // b) + 1 + (b > 1)
+
+
+def test_a_block_as_large_as_the_budget_is_one_contiguous_block():
     n, k = 50, 10
-    wrapped = False
-    for step in range(200):
-        idx = select("random_block", torch.zeros(n), [Unit(0, 0, n)], k / n, seed=0, step=step)
+    for step in range(50):
+        idx = select("random_block", torch.zeros(n), [Unit(0, 0, n)], k / n, seed=0, step=step, block_size=1 << 20)
         start = idx[0].item()
         assert idx.tolist() == [(start + j) % n for j in range(k)]
-        wrapped |= start > n - k
-    assert wrapped
 
 
 @pytest.mark.parametrize("rank", [SHARED, 3])
 def test_blocks_of_many_units_equal_the_blocks_of_each_unit_alone(rank):
-    # several units: starts derived on the device, positions by one cumsum; one unit: on the host, by
-    # arange. Both must agree, wrapped blocks, gaps between units and units sent whole included.
+    # Gaps between units, units sent whole, one-entry units and short last blocks included.
     units = [Unit(7, 0, 1), Unit(2, 1, 50), Unit(9, 51, 1000), Unit(4, 1051, 1), Unit(5, 1060, 20), Unit(6, 1090, 3)]
-    wrapped = 0
     for step in range(40):
-        together = select("random_block", torch.zeros(1093), units, 0.15, seed=11, step=step, rank=rank)
-        alone = [select("random_block", torch.zeros(1093), [u], 0.15, seed=11, step=step, rank=rank) for u in units]
+        together = select("random_block", torch.zeros(1093), units, 0.15, seed=11, step=step, rank=rank, block_size=8)
+        alone = [select("random_block", torch.zeros(1093), [u], 0.15, seed=11, step=step, rank=rank, block_size=8)
+                 for u in units]
         assert torch.equal(together, torch.cat(alone)), step
         assert together[0].item() == 0 and alone[3].item() == 1051  # one-entry units are sent whole
-        wrapped += sum(int(part.diff().lt(0).any()) for part in alone)
-    assert wrapped > 10  # the wrapped blocks were exercised
+
+
+def test_random_block_choice_is_a_function_of_seed_step_unit_rank_and_block_size():
+    args = dict(values=torch.zeros(1000), units=[Unit(3, 0, 1000)], density=0.05)
+    a = select("random_block", seed=9, step=2, **args)
+    assert torch.equal(a, select("random_block", seed=9, step=2, **args))
+    for other in (dict(step=3), dict(rank=1), dict(block_size=4)):
+        assert not torch.equal(a, select("random_block", **{"seed": 9, "step": 2, **other}, **args))
+
+
+@pytest.mark.parametrize("n,k,b", [(37, 5, 16), (40, 6, 4), (100, 30, 16)])
+def test_every_coordinate_is_equally_likely_in_random_blocks(n, k, b):
+    # Tails of trimmed blocks and the short last block included: the phase makes them as likely as the rest.
+    steps = 6000
+    counts = torch.zeros(n)
+    for step in range(steps):
+        counts[select("random_block", torch.zeros(n), [Unit(0, 0, n)], k / n, seed=5, step=step, block_size=b)] += 1
+    expected = steps * k / n
+    sd = (steps * (k / n) * (1 - k / n)) ** 0.5
+    assert (counts - expected).abs().max() < 5 * sd, (counts.min(), counts.max(), expected)
+
+
+def test_block_size_is_checked():
+    with pytest.raises(ValueError, match=r"`block_size` must be an int >= 1, got 0; it is the number of entries"):
+        SparsifyState(block_size=0)
 
 
 @pytest.mark.parametrize("method", ["randomk", "random_block"])
@@ -249,3 +287,33 @@ def test_fast_topk_falls_back_when_the_sample_misleads():
     x[1::2] = torch.rand(1 << 19) + 1  # the strided sample sees only zeros
     fast = topk_units(x.abs(), [0], [1 << 20], [5000], mask=torch.ones(1 << 21, dtype=torch.bool))
     assert torch.equal(fast.sort().values, torch.topk(x.abs(), 5000).indices.sort().values)
+
+
+def test_a_state_saved_before_block_size_existed_still_loads(caplog):
+    # Written by the code of ac086ab (one wrapped block per unit): random_block, density 0.2, seed 3, 3 steps.
+    import os
+
+    sd = torch.load(os.path.join(os.path.dirname(__file__), "fixtures", "sparsify_state_before_block_size.pth"),
+                    weights_only=True)
+    assert "block_size" not in sd["config"]
+    state = SparsifyState(method="random_block", density=0.2, seed=3)
+    with caplog.at_level("WARNING", logger="ddp_hooks.sparsify_state"):
+        state.load_state_dict(sd)
+    assert "saved before block_size, optimizer_momentum, density_warmup_steps existed" in caplog.text
+    assert state.step == 3 and torch.equal(state.state_dict()["residuals"][0], sd["residuals"][0])
+    with pytest.raises(ValueError, match="saved with method='random_block'"):
+        SparsifyState(method="randomk", density=0.2, seed=3).load_state_dict(sd)
+
+
+def test_a_state_saved_with_another_block_size_is_refused():
+    sd = SparsifyState(block_size=16).state_dict()
+    with pytest.raises(ValueError, match="saved with .*block_size=16.* but this SparsifyState has .*block_size=8"):
+        SparsifyState(block_size=8).load_state_dict(sd)
+
+
+def test_density_falls_geometrically_after_the_warm_up():
+    state = SparsifyState(density=0.01, warmup_steps=10, density_warmup_steps=100)
+    assert [state.density_at(s) for s in (0, 9, 10)] == [1.0, 1.0, 1.0]
+    assert state.density_at(60) == pytest.approx(0.1) and state.density_at(110) == 0.01
+    assert SparsifyState(method="topk", aggregation="allgather").density_warmup_steps == 0
+    assert SparsifyState(method="randomk").density_warmup_steps == 1000

@@ -1,0 +1,142 @@
+r"""Random-block-k: a uniformly random *set* of fixed-size blocks per unit, ``k`` entries in all.
+
+Eghlidi & Jaggi (2020, arXiv 2009.09271) divide the gradient into blocks of
+a fixed size and send a randomly selected set of blocks at each step. For a
+unit of ``n`` entries with budget ``k`` and block size ``b``:
+
+1. **Phase.** The unit is read as a ring turned by a phase ``r``, uniform
+   in ``[0, n)``: rotated position ``y`` is unit position ``(r + y) mod n``.
+2. **Blocks.** The rotated unit is cut into ``B = ceil(n / b)`` aligned
+   blocks ``[j b, min((j + 1) b, n))``; only the last may be shorter.
+3. **Set.** ``min(ceil(k / b) + 1, B)`` distinct blocks are drawn, every
+   subset equally likely, in a random order
+   (:func:`~ddp_hooks.randomk_selection.random_subsets` over block indices).
+4. **Trim.** The blocks are taken in draw order until ``k`` entries are
+   reached: all but the last one taken are whole, the last is cut to its
+   first entries. One block more than ``ceil(k / b)`` is drawn so that a
+   short last block among them can never leave the budget unfilled.
+
+So each step sends exactly ``k`` entries in at most ``ceil(k / b) + 1``
+contiguous runs (one more where a run crosses the end of the unit). Every
+coordinate is sent with probability exactly ``k / n``: for any fixed set of
+``k`` rotated positions, a uniform phase carries each coordinate onto one of
+them with probability ``k / n``. Without the phase the trimmed tails and the
+short last block would be sent less often than the rest, and their residuals
+would drain more slowly.
+
+A block of ``b >= k`` entries is one contiguous run of ``k`` entries at a
+random place: the method before issue 16, which diverges on real CNNs (a
+run of ``k`` entries is one or two whole rows of a weight matrix, so a few
+neurons get about ``1 / density`` steps of gradient at once). A block of 1 is
+random-k. All random numbers come from the unit's seed
+``derive_seed(seed, step, key, rank)``: the phase from its bits, the block
+draws from its SplitMix64 hashes, so every rank can recompute every other
+rank's blocks and resuming is exact.
+
+Example::
+
+    >>> import torch
+    >>> from ddp_hooks.block_selection import random_blocks
+    >>> idx = random_blocks(offsets=[0, 100], sizes=[100, 1000], ks=[10, 50], keys=[0, 1], block_size=4,
+    ...                     seed=0, step=3, rank=-1, device=torch.device("cpu"))
+    >>> idx.numel(), idx[:10].unique().numel(), bool((idx[10:] >= 100).all())
+    (60, 10, True)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple, Sequence, Tuple
+
+import torch
+
+from .randomk_selection import random_subsets
+from .seeding import derive_seeds, uniform_below
+
+__all__ = ["random_blocks", "blocks_drawn"]
+
+
+def blocks_drawn(numel: int, k: int, block_size: int) -> int:
+    """Blocks drawn for a unit: ``ceil(k / b) + 1``, at most the unit's number of blocks."""
+    return min(-(-k // block_size) + 1, -(-numel // block_size))
+
+
+class _BlockPlan(NamedTuple):
+    """Device tensors of one layout of units; only the phases and the drawn blocks change per step."""
+
+    total: int  # entries in all (the sum of the budgets)
+    block_offsets: Tuple[int, ...]  # each unit's first block index, units laid end to end
+    block_counts: Tuple[int, ...]  # blocks per unit
+    draws: Tuple[int, ...]  # blocks drawn per unit
+    unit: torch.Tensor  # unit of each drawn block
+    first_draw: torch.Tensor  # index of each unit's first drawn block
+    block_start: torch.Tensor  # per unit: its first block index (tensor form of block_offsets)
+    size: torch.Tensor  # per unit: n
+    offset: torch.Tensor  # per unit: its first absolute position
+    ks: torch.Tensor  # per unit: k
+    keys: torch.Tensor  # per unit: the seeding key
+    whole: torch.Tensor  # per unit: sent whole (phase 0)
+    any_whole: bool
+
+
+@lru_cache(maxsize=256)
+def _plan(offsets: Tuple[int, ...], sizes: Tuple[int, ...], ks: Tuple[int, ...], keys: Tuple[int, ...],
+          block_size: int, device: torch.device) -> _BlockPlan:
+    counts = tuple(-(-n // block_size) for n in sizes)
+    draws = tuple(blocks_drawn(n, k, block_size) for n, k in zip(sizes, ks))
+    block_offsets, at = [], 0
+    for c in counts:
+        block_offsets.append(at)
+        at += c
+    draws_t = torch.tensor(draws, device=device)
+    whole = [k == n for n, k in zip(sizes, ks)]
+    return _BlockPlan(
+        total=int(sum(ks)), block_offsets=tuple(block_offsets), block_counts=counts, draws=draws,
+        unit=torch.repeat_interleave(torch.arange(len(sizes), device=device), draws_t, output_size=sum(draws)),
+        first_draw=torch.cumsum(draws_t, 0) - draws_t,
+        block_start=torch.tensor(block_offsets, device=device), size=torch.tensor(sizes, device=device),
+        offset=torch.tensor(offsets, device=device), ks=torch.tensor(ks, device=device),
+        keys=torch.tensor(keys, device=device), whole=torch.tensor(whole, device=device), any_whole=any(whole),
+    )
+
+
+def random_blocks(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int], keys: Sequence[int],
+                  block_size: int, seed: int, step: int, rank: int, device: torch.device) -> torch.Tensor:
+    """Absolute positions (int64): ``ks[u]`` entries of unit ``u`` in random blocks, unit by unit.
+
+    Args:
+        offsets, sizes (ints): each unit's first position and length.
+        ks (ints): each unit's budget, ``1 <= ks[u] <= sizes[u]``.
+        keys (ints): each unit's key; with ``seed``, ``step`` and ``rank`` it
+            gives the unit's seed.
+        block_size (int): entries per block, >= 1.
+        device: where the positions are made.
+
+    Within a unit the positions come block by block in draw order; a unit
+    sent whole (``k == n``) has phase 0.
+    """
+    plan = _plan(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), int(block_size), torch.device(device))
+    b = int(block_size)
+    # 3. the drawn blocks (indices laid end to end over the units), in draw order
+    drawn = random_subsets(plan.block_offsets, plan.block_counts, plan.draws, tuple(keys), seed, step, rank, device)
+    local = drawn - plan.block_start.index_select(0, plan.unit)  # block index within its unit
+    n = plan.size.index_select(0, plan.unit)
+    length = torch.minimum(n - local * b, torch.full_like(n, b))  # the unit's last block may be shorter
+    # 4. take the blocks in draw order until the unit's k entries are reached
+    before = torch.cumsum(length, 0) - length  # entries of earlier blocks, all units
+    before -= before.index_select(0, plan.first_draw).index_select(0, plan.unit)  # ... of this unit only
+    take = (plan.ks.index_select(0, plan.unit) - before).clamp_(min=0)
+    take = torch.minimum(take, length)
+    first = local * b  # each block's first rotated position
+    start_of = torch.cumsum(take, 0) - take
+    rotated = torch.repeat_interleave(first - start_of, take, output_size=plan.total)
+    rotated += torch.arange(plan.total, device=rotated.device)
+    # 1. turn the ring: (phase + y) mod n, then to absolute positions
+    phase = uniform_below(derive_seeds(seed, step, plan.keys, rank), plan.size)
+    if plan.any_whole:
+        phase.masked_fill_(plan.whole, 0)
+    unit_of = torch.repeat_interleave(plan.unit, take, output_size=plan.total)
+    size = plan.size.index_select(0, unit_of)
+    rotated += phase.index_select(0, unit_of)
+    rotated -= size * (rotated >= size)
+    return rotated.add_(plan.offset.index_select(0, unit_of))
