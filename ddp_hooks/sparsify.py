@@ -45,7 +45,19 @@ other devices a broadcast ``masked_fill_`` keeps the hook free of host syncs.
 
 Warm-up: plain allreduce for the first ``warmup_steps`` steps; with momentum
 or weight decay in the hook the optimizer has neither, so warm-up steps send
-every position through the same path (the velocity steps everywhere).
+every position through the same path (the velocity steps everywhere). Then
+the density falls from 1 to ``density`` over ``density_warmup_steps``
+(:meth:`SparsifyState.density_at`; by default 1000 steps for the random
+selectors).
+
+The optimizer's momentum (``optimizer_momentum="sends"``, the default for the
+random selectors): the velocity of step 2 runs with each parameter's momentum
+``m`` read from its ``torch.optim.SGD``, and the result written in step 5 is
+``u_t - m u_{t-1}``, where ``u_t`` is the average over ranks of the sent
+velocities and ``u_{t-1}`` the last step's, kept sparse
+(:mod:`ddp_hooks.last_update`). SGD's buffer ``m buf + grad`` then holds
+``u_t`` (plus the momentum of its dense weight decay): its step is
+``lr u_t``, momentum counted in sends, in the user's unchanged code.
 
 Parameters without a gradient: DDP with ``find_unused_parameters=True`` (or
 ``static_graph=True``) fills the slot of an unused parameter with zeros and,
@@ -68,7 +80,7 @@ Example (one process, so the average is the rank's own sparse gradient)::
     >>> store = os.path.join(tempfile.mkdtemp(), "store")
     >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     >>> model = DDP(torch.nn.Linear(100, 10))
-    >>> state = SparsifyState(method="random_block", density=0.1)
+    >>> state = SparsifyState(method="random_block", density=0.1, density_warmup_steps=0)  # sparse at once
     >>> model.register_comm_hook(state, sparsify_hook)
     >>> model(torch.randn(8, 100)).sum().backward()
     >>> int((model.module.weight.grad != 0).sum())   # ceil(0.1 * 1000)
@@ -86,7 +98,7 @@ import torch.distributed as dist
 from ._validate import check_hook_call
 from .collectives import allreduce_mean
 from .selection import Unit
-from .sparsify_exchange import _commit, _decay, _launch, _launch_global, _scan
+from .sparsify_exchange import _commit, _decay, _launch, _launch_global, _scan, _UpdateRecord
 from .sparsify_state import SparsifyState
 
 __all__ = ["sparsify_hook"]
@@ -160,22 +172,27 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     marks = _scan(buffer, gradients, starts)
     result = buffer
     decay = _decay(state, bucket.parameters(), layout, buffer.numel(), buffer.device)
+    density = state.density_at(state.step)
     if state.scope == "global" and not dense:
         state._waiting.append((buffer, layout, starts, marks, decay))
         if not last:
             return _wait_for_last(state, buffer)
-        state._flights.append(_launch_global(state, state.step))
+        state._flights.append(_launch_global(state, state.step, density))
     else:
         residual = velocity = None
         if state.error_feedback:
             residual = state.residuals.bucket_residual(index, layout, buffer.numel(), buffer.device)
-        if state.momentum > 0.0:
+        momentum = state.send_momentum(layout, buffer.device)
+        if momentum is not None:
             velocity = state.velocities.bucket_residual(index, layout, buffer.numel(), buffer.device)
         if state.scope == "layer":
             units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout if n]  # an empty one has no budget
         else:
             units = [Unit(index, 0, buffer.numel())]
-        flight = _launch(state, buffer, residual, units, starts, marks, state.step, decay, velocity, everything=dense)
+        flight = _launch(state, buffer, residual, units, starts, marks, state.step, decay, velocity, everything=dense,
+                         density=density, momentum=0.0 if momentum is None else momentum)
+        if state.counts_momentum_in_sends and not dense:
+            flight.update = _UpdateRecord(index, layout, starts, 0.0 if momentum is None else momentum)
         if not dense:  # where it pays, the result goes to a vector kept at zero between steps
             flight.result = state._results.for_bucket(index, buffer, gradients, bucket.parameters())
         state._flights.append(flight)

@@ -12,7 +12,7 @@ into the buckets, or into the zero-kept result vectors of
 ``bench/bench_sparsify_kernels.py`` times.
 """
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,7 +33,7 @@ class _Flight:
     """One exchange in flight, and what the end of the step needs to apply it."""
 
     __slots__ = ("grad", "residual", "positions", "before", "kept", "hold", "future", "outputs", "decay",
-                 "velocity", "velocity_before", "sent", "result", "cancelled")
+                 "velocity", "velocity_before", "sent", "result", "cancelled", "update")
 
     def __init__(self, grad, residual, positions, before, kept, hold, future, outputs=None):
         self.grad = grad  # the gradient (the bucket buffer, or the joined buckets); receives the result
@@ -50,6 +50,16 @@ class _Flight:
         self.sent = None  # the float32 values this rank sent at `positions` (scaled units), for the velocity
         self.result = None  # a SparseOutput that receives the result instead of `grad`, or None
         self.cancelled = False  # grad at `positions` holds -before: e + grad is exactly 0 there
+        self.update = None  # optimizer momentum counted in sends: an _UpdateRecord, or None
+
+
+class _UpdateRecord(NamedTuple):
+    """Where a flight's averaged update is remembered, and the optimizer momentum that multiplies it next."""
+
+    bucket: int  # bucket index (or GLOBAL_BUCKET)
+    layout: tuple
+    starts: torch.Tensor  # offsets where the layout's parameters start
+    momentum: object  # float, or float32 tensor with one per parameter of the layout
 
 
 def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: Optional[bool] = None) -> None:
@@ -162,8 +172,8 @@ def _shared_result(positions: torch.Tensor, received: torch.Tensor) -> Result:
     return _holds_nonfinite(received), write
 
 
-def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Tensor, value_dtype: torch.dtype,
-                     index_dtype: torch.dtype, rows: torch.Tensor) -> Result:
+def _gathered_result(state: SparsifyState, units, step: int, density: float, positions: torch.Tensor,
+                     value_dtype: torch.dtype, index_dtype: torch.dtype, rows: torch.Tensor) -> Result:
     world, rank = state._world_size, state._rank
     if state.method == "topk":
         value_bytes = positions.numel() * value_dtype.itemsize
@@ -172,7 +182,8 @@ def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Te
         parts = [(rows[r, value_bytes:].clone().view(index_dtype).long(), values[r]) for r in range(world)]
     else:  # each rank's positions are recomputed from (seed, step, unit, rank)
         values = rows
-        parts = [(positions if r == rank else select(state.method, rows, units, state.density, state.seed, step, r),
+        parts = [(positions if r == rank else select(state.method, rows, units, density, state.seed, step, r,
+                                                    state.block_size),
                   rows[r]) for r in range(world)]
 
     def write(target):
@@ -192,12 +203,18 @@ def _gathered_result(state: SparsifyState, units, step: int, positions: torch.Te
 
 def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.Tensor], units: Sequence[Unit],
             starts: torch.Tensor, marks: torch.Tensor, step: int, decay: Optional[torch.Tensor] = None,
-            velocity: Optional[torch.Tensor] = None, everything: bool = False) -> _Flight:
+            velocity: Optional[torch.Tensor] = None, everything: bool = False, *,
+            density: Optional[float] = None, momentum=0.0) -> _Flight:
     """Select, pack and start the collective; the per-rank states are left untouched until :func:`_commit`.
 
     ``everything``: send every position (a warm-up step with momentum or
-    weight decay in the hook).
+    weight decay in the hook). ``density``: this step's
+    (:meth:`SparsifyState.density_at`, the default). ``momentum``: the
+    velocity's factor, a float or one per parameter
+    (:meth:`SparsifyState.send_momentum`).
     """
+    if density is None:
+        density = state.density_at(step)
     group, world, rank = state._group, state._world_size, state._rank
     shared = everything or state.aggregation == "allreduce"
     who = SHARED if shared else rank
@@ -207,9 +224,9 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     elif state.method == "topk":  # |p| in memory kept from step to step, then the positions
         magnitude, mask = state._scratch(grad.numel(), grad.device)
         _compensated(grad, _carried(residual, decay), state._scale, out=magnitude).abs_()
-        positions = select_topk(magnitude, units, state.density, mask)
+        positions = select_topk(magnitude, units, density, mask)
     else:  # the random selectors need no values
-        positions = select(state.method, grad, units, state.density, state.seed, step, who)
+        positions = select(state.method, grad, units, density, state.seed, step, who, state.block_size)
     # p at the chosen positions only (the same float operations as the whole p)
     if residual is not None:
         before = residual.index_select(0, positions)
@@ -227,7 +244,11 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     if velocity is not None:  # momentum in sends: w = m w + p where this rank sends
         velocity_before = velocity.index_select(0, positions)
         scaled = velocity_before if state._scale is None else velocity_before * state._scale
-        values.add_(scaled, alpha=state.momentum)
+        if isinstance(momentum, torch.Tensor):  # one per parameter
+            owner = torch.searchsorted(starts, positions, right=True) - 1
+            values.addcmul_(scaled, momentum.index_select(0, owner))
+        else:
+            values.add_(scaled, alpha=momentum)
     hold = None
     if residual is not None:
         idle = marks == 0
@@ -257,7 +278,7 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
         payload = wire
     state._stats.add(k, sent_bytes, *dense)
     future = allgather(payload, group, world).then(
-        lambda f: _gathered_result(state, units, step, positions, wire.dtype, index_dtype, f.value()))
+        lambda f: _gathered_result(state, units, step, density, positions, wire.dtype, index_dtype, f.value()))
     return _flight(grad, residual, positions, before, kept, hold, future, decay, velocity, velocity_before, sent_values, cancelled)
 
 
@@ -269,7 +290,7 @@ def _flight(grad, residual, positions, before, kept, hold, future, decay, veloci
     return flight
 
 
-def _launch_global(state: SparsifyState, step: int) -> _Flight:
+def _launch_global(state: SparsifyState, step: int, density: float) -> _Flight:
     """At the last bucket: one budget over the concatenation of all buckets of the step."""
     waiting, state._waiting = state._waiting, []
     buffers = [buffer for buffer, _, _, _, _ in waiting]
@@ -283,13 +304,17 @@ def _launch_global(state: SparsifyState, step: int) -> _Flight:
     residual = velocity = None
     if state.error_feedback:
         residual = state.residuals.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
-    if state.momentum > 0.0:
+    momentum = state.send_momentum(layout, grad.device)
+    if momentum is not None:
         velocity = state.velocities.bucket_residual(GLOBAL_BUCKET, layout, grad.numel(), grad.device)
     marks = torch.cat([m for _, _, _, m, _ in waiting])
     decay = None if state.weight_decay == 0.0 else torch.cat([d for _, _, _, _, d in waiting])
-    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], torch.cat(starts), marks, step,
-                     decay, velocity)
+    starts = torch.cat(starts)
+    flight = _launch(state, grad, residual, [Unit(0, 0, grad.numel())], starts, marks, step,
+                     decay, velocity, density=density, momentum=0.0 if momentum is None else momentum)
     flight.outputs = buffers
+    if state.counts_momentum_in_sends:
+        flight.update = _UpdateRecord(GLOBAL_BUCKET, layout, starts, 0.0 if momentum is None else momentum)
     return flight
 
 
@@ -347,18 +372,50 @@ def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[t
             flight.velocity.index_put_((positions,), torch.where(keep, flight.velocity_before, sent))
 
 
+def _present_update(state: SparsifyState, record: _UpdateRecord, target: torch.Tensor, written: List[torch.Tensor],
+                    scale: Optional[torch.Tensor], inv_scale: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    """Turn the averaged update ``u_t`` in ``target`` into ``u_t - m u_{t-1}``; remember ``u_t``.
+
+    The optimizer's buffer then steps to ``m (u_{t-1} + z) + u_t - m u_{t-1}
+    = u_t + m z``: it holds this step's sent velocity (plus the momentum of
+    whatever else it was given, weight decay), whatever it held from the
+    sends before. Returns every position now written in ``target``.
+    """
+    positions = written[0] if len(written) == 1 else torch.cat(written).unique()  # AllGather: ranks overlap
+    values = target.index_select(0, positions).float()
+    previous = state.last_updates.get(record.bucket, record.layout, target.device)
+    m = record.momentum
+    if previous is not None and (isinstance(m, torch.Tensor) or m != 0.0):
+        where, before = previous
+        if isinstance(m, torch.Tensor):
+            factor = m.index_select(0, torch.searchsorted(record.starts, where, right=True) - 1).neg_()
+        else:
+            factor = torch.full((), -float(m), device=target.device)
+        if scale is not None:
+            factor = factor * scale
+        target.index_add_(0, where, (before * factor).to(target.dtype))
+        written = [positions, where]
+    state.last_updates.put(record.bucket, record.layout, positions,
+                           values if inv_scale is None else values * inv_scale)
+    return written
+
+
 def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.Tensor]) -> None:
     """End of the step, all exchanges done: one verdict for the step, then states and outputs."""
     results = [flight.future.value() for flight in flights]
     discard = torch.stack([bad for bad, _ in results]).any()  # the same on every rank: all saw the same data
     state._count_nonfinite(discard)
     inv_scale = None if scale is None else scale.reciprocal()
+    # The last update is remembered only from steps the optimizer takes (a host read off the CPU).
+    applied = None if not any(f.update is not None for f in flights) else not bool(discard)
     for flight, (_, write) in zip(flights, results):
         _update_states(flight, discard, inv_scale)
-        if flight.result is None:
-            write(flight.grad.zero_())
-        else:
-            flight.result.written = write(flight.result.clear())
+        target = flight.grad.zero_() if flight.result is None else flight.result.clear()
+        written = write(target)
+        if flight.update is not None and applied:
+            written = _present_update(state, flight.update, target, written, scale, inv_scale)
+        if flight.result is not None:
+            flight.result.written = written
         if flight.outputs is not None:
             for buffer, chunk in zip(flight.outputs, flight.grad.split([b.numel() for b in flight.outputs])):
                 buffer.copy_(chunk)

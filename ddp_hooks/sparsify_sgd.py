@@ -1,28 +1,30 @@
-"""Momentum SGD with the sparsifying hook: which of the pair applies momentum and weight decay.
+"""Momentum SGD with the sparsifying hook: the optimizer's momentum, counted in sends.
 
-The rule (measured in ``bench/bench_convergence.py``): with a random selector
-(``randomk``, ``random_block``), error feedback and momentum > 0, momentum and
-weight decay run in the hook (``SparsifyState(momentum=m, weight_decay=wd)``)
-and the optimizer is plain ``torch.optim.SGD(lr)``; otherwise (top-k, no
-error feedback, no momentum) they stay in the optimizer. A random selector
-with error feedback under the optimizer's momentum diverges at the usual
-lr 0.1, momentum 0.9: a coordinate leaves about once every ``1 / density``
-steps with everything it gathered, and the optimizer multiplies that stale
-burst by ``1 / (1 - momentum)`` (:class:`~ddp_hooks.SparsifyState`,
-argument ``momentum``).
+A random selector (``randomk``, ``random_block``) with error feedback sends a
+coordinate about once every ``1 / density`` steps with everything it
+gathered. Under SGD's own momentum that stale burst is multiplied by
+``1 / (1 - momentum)`` and training diverges at the usual lr and momentum
+0.9. So by default (``SparsifyState(optimizer_momentum="auto")``) the hook
+reads each parameter's momentum from its ``torch.optim.SGD`` at the first
+step and counts it in *sends*: it steps a velocity where a rank sends and
+returns ``u_t - m u_{t-1}``, so the optimizer's buffer holds exactly the
+averaged sent velocity ``u_t`` (:mod:`ddp_hooks.sparsify`,
+:class:`~ddp_hooks.SparsifyState`). User code keeps its optimizer, weight
+decay included (dense, in the optimizer). Top-k keeps the optimizer's
+momentum as it is: its large entries leave at once.
 
-Random selectors should also start with a short dense warm-up
-(``warmup_steps``, a few percent of the training steps): the early, large and
-fast-changing gradients are what their delayed sends handle worst. In
-``bench/bench_convergence.py`` (momentum 0.9, 8 seeds) two dense epochs of 40
-brought random-block from 1.4 to 0.1 points below dense at density 0.05, and
-from 1.5 to 0.6 at 0.01; on the recipe's ResNet-20 random-block without a
-warm-up stalls near chance (README, "Momentum SGD with the sparsifier").
+Random selectors also start with a density that falls from 1 to ``density``
+over their first ``density_warmup_steps`` (1000 by default): early, large and
+fast-changing gradients are what delayed sends handle worst.
 
-:func:`build_sparsify_sgd` builds a correct pair. A hand-built pair is checked
-at its optimizer's first step (:func:`check_optimizer`, installed by the
-hook's first call): momentum or weight decay applied by both is refused with
-``ValueError``; the combination known to diverge draws a ``UserWarning``.
+:func:`build_sparsify_sgd` registers the hook and builds that optimizer in one
+call. Every optimizer paired with the hook is checked at its first step
+(:func:`check_optimizer`, installed by the hook's first call): momentum or
+weight decay applied by both the hook (``SparsifyState(momentum=...)``) and
+the optimizer is refused with ``ValueError``, as are Nesterov and dampening
+where the momentum is counted in sends; the combination known to diverge
+(``optimizer_momentum="steps"`` with a random selector) draws a
+``UserWarning``.
 
 Example (one process)::
 
@@ -34,15 +36,14 @@ Example (one process)::
     >>> model = DDP(torch.nn.Linear(10, 2))
     >>> state, opt = build_sparsify_sgd(model, lr=0.1, momentum=0.9, weight_decay=5e-4,
     ...                                 method="random_block", density=0.05)
-    >>> state.momentum, state.weight_decay, opt.defaults["momentum"], opt.defaults["weight_decay"]
-    (0.9, 0.0005, 0.0, 0.0)
+    >>> state.counts_momentum_in_sends, opt.defaults["momentum"], opt.defaults["weight_decay"]
+    (True, 0.9, 0.0005)
     >>> model(torch.randn(4, 10)).sum().backward(); opt.step()
     >>> dist.destroy_process_group()
 """
 
 from __future__ import annotations
 
-import inspect
 import warnings
 import weakref
 from typing import Tuple
@@ -52,22 +53,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._validate import check_float
 from .sparsify import sparsify_hook
-from .sparsify_state import SparsifyState
+from .sparsify_state import RANDOM_METHODS, SparsifyState
 
-__all__ = ["build_sparsify_sgd", "check_optimizer", "momentum_in_hook", "RANDOM_METHODS"]
-
-#: Selectors whose coordinates leave at random times, regardless of their size.
-RANDOM_METHODS = ("randomk", "random_block")
-
-
-def momentum_in_hook(method: str, error_feedback: bool, momentum: float) -> bool:
-    """True when momentum (and weight decay) belong in the hook: a random selector, error feedback, momentum > 0.
-
-    Top-k keeps the optimizer's momentum: its large coordinates leave at
-    once, so no stale burst builds up, and in ``bench/bench_convergence.py``
-    it trained as well that way at densities 0.1 and 0.05, and better at 0.01.
-    """
-    return method in RANDOM_METHODS and bool(error_feedback) and momentum > 0.0
+__all__ = ["build_sparsify_sgd", "check_optimizer", "RANDOM_METHODS"]
 
 
 def build_sparsify_sgd(
@@ -77,35 +65,28 @@ def build_sparsify_sgd(
     weight_decay: float = 0.0,
     **hook_options,
 ) -> Tuple[SparsifyState, torch.optim.SGD]:
-    """Register :func:`~ddp_hooks.sparsify_hook` on ``ddp_model`` and return ``(state, optimizer)``, paired.
+    """Register :func:`~ddp_hooks.sparsify_hook` on ``ddp_model`` and return ``(state, optimizer)``.
 
-    The pair trains like ``torch.optim.SGD(lr, momentum, weight_decay)`` with
-    sparsified gradients (equal to it at density 1); momentum and weight decay
-    move into the hook when :func:`momentum_in_hook` says so.
+    The optimizer is ``torch.optim.SGD(lr, momentum, weight_decay)``, exactly
+    what unchanged user code builds; the hook counts its momentum in sends
+    where that is the right thing (``optimizer_momentum="auto"``). Equal to
+    momentum SGD at density 1.
 
     Args:
         ddp_model: a ``DistributedDataParallel`` model without a comm hook yet.
         lr, momentum, weight_decay (float): as for ``torch.optim.SGD``
             (heavy-ball momentum; no dampening, no Nesterov).
-        **hook_options: the other :class:`~ddp_hooks.SparsifyState` arguments
-            (``method``, ``density``, ``scope``, ``aggregation``,
-            ``error_feedback``, ``warmup_steps``, ``seed``, ``process_group``);
-            with ``randomk`` or ``random_block`` give ``warmup_steps`` a few
-            percent of the training steps (see above).
+        **hook_options: the :class:`~ddp_hooks.SparsifyState` arguments
+            (``method``, ``density``, ``scope``, ``block_size``, ...).
 
     Returns:
         ``(SparsifyState, torch.optim.SGD)`` over ``ddp_model.parameters()``.
     """
     check_float("momentum", momentum, 0.0, 1.0, high_open=True, reason="it is SGD's heavy-ball factor")
     check_float("weight_decay", weight_decay, 0.0, float("inf"), high_open=True, reason="it is SGD's L2 penalty")
-    defaults = {name: param.default for name, param in inspect.signature(SparsifyState).parameters.items()}
-    options = {**defaults, **hook_options}
-    in_hook = momentum_in_hook(options["method"], options["error_feedback"], momentum)
-    state = SparsifyState(momentum=momentum if in_hook else 0.0, weight_decay=weight_decay if in_hook else 0.0,
-                          **hook_options)
+    state = SparsifyState(**hook_options)
     ddp_model.register_comm_hook(state, sparsify_hook)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.0 if in_hook else momentum,
-                                weight_decay=0.0 if in_hook else weight_decay)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     return state, optimizer
 
 
@@ -152,47 +133,61 @@ def check_optimizer(state: SparsifyState, optimizer: torch.optim.Optimizer, para
                 "decay skips the momentum, unlike torch.optim.SGD; pass weight_decay to SparsifyState instead",
                 stacklevel=3,
             )
-        if state.momentum == 0.0 and opt_m > 0.0 and state.error_feedback and state.method in RANDOM_METHODS:
+        if state.counts_momentum_in_sends and isinstance(optimizer, torch.optim.SGD) and opt_m > 0.0:
+            if group.get("nesterov", False) or group.get("dampening", 0.0) != 0.0:
+                raise ValueError(
+                    f"SparsifyState(optimizer_momentum={state.optimizer_momentum!r}) counts the optimizer's momentum "
+                    f"in sends, which needs plain heavy-ball SGD; this SGD has nesterov={group.get('nesterov')}, "
+                    f"dampening={group.get('dampening')}: use nesterov=False and dampening=0, or keep the "
+                    "optimizer's momentum as it is with SparsifyState(optimizer_momentum='steps') and a dense "
+                    "warm-up (warmup_steps), or use ddp_hooks.build_sparsify_sgd"
+                )
+        if (state.momentum == 0.0 and not state.counts_momentum_in_sends and opt_m > 0.0 and state.error_feedback
+                and state.method in RANDOM_METHODS):
             warnings.warn(
                 f"method={state.method!r} with error feedback under the optimizer's momentum={opt_m:g} is known "
                 "to diverge at the usual lr 0.1: coordinates leave about once every 1/density steps and momentum "
                 "multiplies each delayed burst by 1/(1 - momentum); move momentum into the hook "
                 "(SparsifyState(momentum=..., weight_decay=...) with SGD(momentum=0, weight_decay=0), or "
-                "ddp_hooks.build_sparsify_sgd)",
+                "ddp_hooks.build_sparsify_sgd), or count it in sends: SparsifyState(optimizer_momentum='auto')",
                 stacklevel=3,
             )
 
 
-# Handles of watchers that are done. A step pre-hook cannot remove itself (PyTorch
+# Handles of watchers whose state is gone. A step pre-hook cannot remove itself (PyTorch
 # iterates over the hook dict while calling them): they go at the next install.
 _FINISHED: list = []
 
 
 def watch_first_step(state: SparsifyState) -> None:
-    """Run :func:`check_optimizer` at the first step of an optimizer over the parameters ``state`` has seen.
+    """At the first step of each optimizer over parameters ``state`` has seen: :func:`check_optimizer`, and remember it.
 
-    Installs a global ``torch.optim`` step pre-hook that turns into a no-op
-    after that check (or once the state is gone) and is removed at the next
-    install.
+    Installs a global ``torch.optim`` step pre-hook. For an optimizer it has
+    already seen it returns at once; once the state is gone it turns into a
+    no-op and is removed at the next install. The optimizers it remembers
+    (weak references) are where :meth:`SparsifyState.refresh_momenta` reads
+    the momentum that ``optimizer_momentum="sends"`` counts in sends.
     """
     while _FINISHED:
         _FINISHED.pop().remove()
     ref = weakref.ref(state)
+    seen_ids = set()
     done = []
 
     def pre_step(optimizer, args, kwargs):
-        if done:
+        if done or id(optimizer) in seen_ids:
             return
         st = ref()
         if st is None:
             done.append(True)
             _FINISHED.append(handle)
             return
-        seen = st._param_keys
-        if not any(id(p) in seen for group in optimizer.param_groups for p in group["params"]):
+        keys = st._param_keys
+        if not any(id(p) in keys for group in optimizer.param_groups for p in group["params"]):
             return  # another model's optimizer
-        done.append(True)
-        _FINISHED.append(handle)
-        check_optimizer(st, optimizer, param_ids=seen)
+        check_optimizer(st, optimizer, param_ids=keys)
+        seen_ids.add(id(optimizer))
+        st._optimizers.append(weakref.ref(optimizer))
+        st.refresh_momenta()
 
     handle = register_optimizer_step_pre_hook(pre_step)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ._validate import check_bool, check_choice, check_float, check_group_ready, check_int, check_process_group
 from .collectives import check_same_on_all_ranks
+from .last_update import LastUpdates
 from .residuals import Layout, ResidualStore
 from .selection import METHODS
 from .sparse_output import SparseOutputs
@@ -21,6 +22,11 @@ logger = logging.getLogger(__name__)
 
 SCOPES = ("layer", "bucket", "global")
 AGGREGATIONS = ("allreduce", "allgather")
+OPTIMIZER_MOMENTUM = ("auto", "sends", "steps")
+#: Selectors whose coordinates leave at random times, regardless of their size.
+RANDOM_METHODS = ("randomk", "random_block")
+#: ``density_warmup_steps`` of the random selectors when none is given (measured: README, "Convergence").
+DEFAULT_DENSITY_WARMUP_STEPS = 1000
 _STATE_VERSION = 1
 _INT64_MAX = (1 << 63) - 1
 
@@ -36,6 +42,9 @@ def _bits_float(bits: int) -> float:
 
 # Options added after version 1 states were first saved, with the values those states imply.
 _CONFIG_ADDED_LATER = {"momentum_bits": _float_bits(0.0), "weight_decay_bits": _float_bits(0.0)}
+# Options added later still (issue 16) that change which entries are sent or how the result is
+# presented, not what the residuals mean: a state saved without them resumes under any value.
+_CONFIG_FREE_IF_ABSENT = ("block_size", "optimizer_momentum", "density_warmup_steps")
 
 
 class SparsifyState:
@@ -47,7 +56,8 @@ class SparsifyState:
     Args:
         process_group: the group to communicate in; ``None`` is the default group.
         method (str): ``"topk"``, ``"randomk"`` or ``"random_block"`` (the
-            paper's proposal: one wrapped block per unit, almost free to select).
+            paper's proposal: a random set of blocks per unit, almost free
+            to select; :mod:`ddp_hooks.block_selection`).
         density (float): fraction of entries sent per unit, in (0, 1]; each
             unit sends ``ceil(density * numel)`` entries.
         scope (str): the unit of selection: ``"layer"`` (each parameter has its
@@ -62,7 +72,23 @@ class SparsifyState:
             other rank's positions from ``(seed, step, unit, rank)``.
         error_feedback (bool): keep what was not sent and add it next step.
         warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps.
+        density_warmup_steps (int): >= 0, or ``None`` (the default): 1000 for
+            the random selectors, 0 for top-k. After ``warmup_steps``, the
+            density falls geometrically from 1 to ``density`` over this many
+            steps, ``density ** (s / density_warmup_steps)`` at the ``s``-th,
+            as Deep Gradient Compression (Lin et al. 2018, arXiv 1712.01887)
+            lowers it over its first epochs; 0 turns it off. Why: a random
+            selector sends a coordinate about once every ``1 / density``
+            steps with all it gathered, and early in training, when
+            gradients are large and change fast, such delayed bursts diverge;
+            the decay lets the delay grow as the gradients settle. It costs
+            about ``density_warmup_steps * (1 - density) / ln(1 / density)``
+            dense steps' bytes in all (215 for 1000 steps at density 0.01),
+            and needs no knowledge of the run's length.
         seed (int): seed of the random selectors, in [0, 2**63 - 1].
+        block_size (int): ``random_block`` only: entries per block, >= 1.
+            Each step sends a random set of blocks (``k`` entries in all);
+            1 is random-k, a size of ``k`` or more is one block of ``k``.
         momentum (float): in [0, 1). 0 (the default) leaves momentum to the
             optimizer. Above 0 the hook applies heavy-ball momentum itself,
             before the exchange (momentum correction, after Lin et al., "Deep
@@ -71,11 +97,30 @@ class SparsifyState:
             (below). Pair it with ``torch.optim.SGD(momentum=0,
             weight_decay=0)``; :func:`~ddp_hooks.build_sparsify_sgd` builds
             the pair, and an optimizer that adds its own momentum is refused
-            at its first step. Needs ``error_feedback=True``.
+            at its first step. Needs ``error_feedback=True``. Code that keeps
+            its momentum optimizer needs none of this: see
+            ``optimizer_momentum``.
         weight_decay (float): >= 0 (0). Adds ``weight_decay * x`` to each
             rank's gradient in the hook, before error feedback and momentum,
             as ``torch.optim.SGD`` adds it before its momentum; with
             ``momentum`` > 0 use it instead of the optimizer's.
+        optimizer_momentum (str): what becomes of the momentum of a
+            ``torch.optim.SGD`` the hook's gradients feed. ``"sends"``: the
+            hook reads each parameter's momentum ``m`` from its optimizer
+            (at the optimizer's first step, then at every step), steps a
+            velocity at the positions sent (as with ``momentum`` above) and
+            returns ``u_t - m u_{t-1}``, ``u_t`` this step's averaged sent
+            velocity, so that the optimizer's buffer ``m buf + grad`` holds
+            ``u_t`` and its step is ``lr u_t``: momentum counted in sends,
+            in unchanged optimizer code, with weight decay dense in the
+            optimizer (its momentum runs as in plain SGD). ``"steps"``: the
+            optimizer's momentum multiplies what arrives, as in plain DDP.
+            ``"auto"`` (default): ``"sends"`` for the random selectors with
+            error feedback, ``"steps"`` for top-k (whose large entries leave
+            at once, so no stale burst builds up) and without error
+            feedback. Nesterov and dampening under ``"sends"`` are refused at
+            the optimizer's first step; other optimizers (Adam, ...) get the
+            averaged sparse gradient as they would under ``"steps"``.
         grad_scaler (torch.amp.GradScaler): the scaler of an AMP run, or
             ``None``. Gradients reach the hook multiplied by the loss scale
             ``S``, which the scaler changes between steps; with the scaler
@@ -143,12 +188,16 @@ class SparsifyState:
     __slots__ = (
         # options, fixed at construction
         "process_group", "method", "density", "scope", "aggregation", "error_feedback",
-        "warmup_steps", "seed", "momentum", "weight_decay", "grad_scaler",
+        "warmup_steps", "seed", "momentum", "weight_decay", "grad_scaler", "block_size",
+        "optimizer_momentum", "density_warmup_steps",
         # the step counter: advances once per backward, on the last bucket
         "step",
         # error feedback, momentum correction and counters; steps whose gradient was discarded
         # (0-dim tensor, or None)
         "residuals", "velocities", "_stats", "_nonfinite",
+        # optimizer_momentum="sends": the last averaged update per bucket, each parameter's momentum
+        # (key -> m, read from its optimizer), the optimizers seen (weak references)
+        "last_updates", "_momenta", "_optimizers",
         # bound lazily at the first hook call
         "_group", "_rank", "_world_size", "_checked",
         "_param_keys", "_layouts", "_loaded_meta", "_loaded_keys",
@@ -176,6 +225,9 @@ class SparsifyState:
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         grad_scaler: Optional["torch.amp.GradScaler"] = None,
+        block_size: int = 16,
+        optimizer_momentum: str = "auto",
+        density_warmup_steps: Optional[int] = None,
     ) -> None:
         check_process_group("process_group", process_group)
         self.method = check_choice("method", method, METHODS, "the coordinate selector")
@@ -188,6 +240,13 @@ class SparsifyState:
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "the number of dense steps before sparsifying")
         self.seed = check_int("seed", seed, 0, "it seeds the random selectors", maximum=_INT64_MAX)
+        self.block_size = check_int("block_size", block_size, 1, "it is the number of entries in a random block")
+        if density_warmup_steps is None:  # see the docstring: random selectors need it, top-k does not
+            density_warmup_steps = DEFAULT_DENSITY_WARMUP_STEPS if method in RANDOM_METHODS else 0
+        self.density_warmup_steps = check_int("density_warmup_steps", density_warmup_steps, 0,
+                                              "the number of steps over which the density falls to `density`")
+        self.optimizer_momentum = check_choice("optimizer_momentum", optimizer_momentum, OPTIMIZER_MOMENTUM,
+                                               "what becomes of the optimizer's momentum")
         self.momentum = check_float("momentum", momentum, 0.0, 1.0, high_open=True,
                                     reason="it is the factor of the velocity kept from one step to the next")
         self.weight_decay = check_float("weight_decay", weight_decay, 0.0, float("inf"), high_open=True,
@@ -196,6 +255,12 @@ class SparsifyState:
             raise ValueError(
                 f"`momentum`={self.momentum!r} needs `error_feedback`=True: the hook's velocity is what error "
                 "feedback accumulates; without error feedback keep momentum in the optimizer (momentum=0 here)"
+            )
+        if self.optimizer_momentum == "sends" and (self.momentum > 0.0 or not self.error_feedback):
+            raise ValueError(
+                "`optimizer_momentum`='sends' needs `momentum`=0 and `error_feedback`=True (got "
+                f"momentum={self.momentum!r}, error_feedback={self.error_feedback!r}): it counts the optimizer's "
+                "momentum in the error-feedback sends, so the hook must not run a momentum of its own"
             )
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"`grad_scaler` must be None or a torch.amp.GradScaler, got {type(grad_scaler).__name__}; "
@@ -213,6 +278,9 @@ class SparsifyState:
         self.step = 0
         self.residuals = ResidualStore()
         self.velocities = ResidualStore()  # per rank, like the residuals; used when momentum > 0
+        self.last_updates = LastUpdates()
+        self._momenta: Dict[int, float] = {}
+        self._optimizers: list = []
         self._stats = CommStats()
         self._nonfinite: Optional[torch.Tensor] = None
         self._group = None
@@ -243,6 +311,9 @@ class SparsifyState:
             # exact: the float's IEEE-754 bits, so a resume cannot round momentum or weight decay
             "momentum_bits": _float_bits(self.momentum),
             "weight_decay_bits": _float_bits(self.weight_decay),
+            "block_size": self.block_size,
+            "optimizer_momentum": OPTIMIZER_MOMENTUM.index(self.optimizer_momentum),
+            "density_warmup_steps": self.density_warmup_steps,
         }
 
     def _describe(self, ints: Dict[str, int]) -> str:
@@ -250,7 +321,68 @@ class SparsifyState:
                 f"scope={SCOPES[ints['scope']]!r}, aggregation={AGGREGATIONS[ints['aggregation']]!r}, "
                 f"error_feedback={bool(ints['error_feedback'])}, warmup_steps={ints['warmup_steps']}, "
                 f"seed={ints['seed']}, momentum={_bits_float(ints['momentum_bits']):g}, "
-                f"weight_decay={_bits_float(ints['weight_decay_bits']):g}")
+                f"weight_decay={_bits_float(ints['weight_decay_bits']):g}, "
+                f"block_size={ints.get('block_size', '(not saved)')}, optimizer_momentum="
+                f"{OPTIMIZER_MOMENTUM[ints['optimizer_momentum']] if 'optimizer_momentum' in ints else '(not saved)'!r}, "
+                f"density_warmup_steps={ints.get('density_warmup_steps', '(not saved)')}")
+
+    # ----- what the options imply -----
+    @property
+    def counts_momentum_in_sends(self) -> bool:
+        """True when the optimizer's momentum is counted in sends (``optimizer_momentum``, resolved)."""
+        if self.optimizer_momentum == "auto":
+            return self.method in RANDOM_METHODS and self.error_feedback and self.momentum == 0.0
+        return self.optimizer_momentum == "sends"
+
+    def density_at(self, step: int) -> float:
+        """The density of step ``step``: 1 during the warm-up, then ``density_warmup_steps`` of geometric decay."""
+        into = step - self.warmup_steps
+        if into < 0:
+            return 1.0
+        if into >= self.density_warmup_steps:
+            return self.density
+        return max(self.density, self.density ** (into / self.density_warmup_steps))
+
+    def send_momentum(self, layout: Layout, device: torch.device):
+        """The momentum the hook's velocity steps with in a bucket of this layout.
+
+        ``None`` when no velocity runs; a float when every parameter of the
+        bucket has the same; else a float32 tensor with one per parameter.
+        With the optimizer's momentum counted in sends, a parameter whose
+        optimizer has not been seen yet (the first step) counts 0.
+        """
+        if self.momentum > 0.0:
+            return self.momentum
+        if not self.counts_momentum_in_sends:
+            return None
+        momenta = [self._momenta.get(key, 0.0) for key, _, _ in layout]
+        if not momenta or all(m == momenta[0] for m in momenta):
+            first = momenta[0] if momenta else 0.0
+            return None if first == 0.0 and self._momenta else first
+        return torch.tensor(momenta, dtype=torch.float32, device=device)
+
+    def refresh_momenta(self) -> None:
+        """Read each parameter's momentum from the optimizers seen at their first step (weak references).
+
+        A parameter counts the ``momentum`` of its ``torch.optim.SGD`` group,
+        read again at every step's first bucket, so a momentum schedule that
+        changes it between steps is followed; other optimizers count 0 (they
+        get the averaged gradient as it is).
+        """
+        alive = []
+        for ref in self._optimizers:
+            optimizer = ref()
+            if optimizer is None:
+                continue
+            alive.append(ref)
+            is_sgd = isinstance(optimizer, torch.optim.SGD)
+            for group in optimizer.param_groups:
+                m = float(group.get("momentum", 0.0)) if is_sgd else 0.0
+                for p in group["params"]:
+                    key = self._param_keys.get(id(p))
+                    if key is not None:
+                        self._momenta[key] = m
+        self._optimizers = alive
 
     # ----- binding to the process group, at the first hook call -----
     def _bind(self, bucket: dist.GradBucket) -> None:
@@ -334,6 +466,8 @@ class SparsifyState:
         """At the first bucket of a backward: drop leftovers of a backward that raised; read the loss scale."""
         self._flights, self._waiting = [], []
         self._step_done = torch.futures.Future()
+        if self._optimizers and self.counts_momentum_in_sends:
+            self.refresh_momenta()
         scaler = self.grad_scaler
         # GradScaler.scale(t) is t * S on t's device: S as a tensor, without a host sync.
         self._scale = None if scaler is None else scaler.scale(torch.ones((), dtype=torch.float32, device=device))
@@ -350,6 +484,7 @@ class SparsifyState:
         self._stats.compressed_steps += int(compressed)
         self.residuals.drop_buckets_after(last_index)
         self.velocities.drop_buckets_after(last_index)
+        self.last_updates.drop_buckets_after(last_index)
         self._results.drop_buckets_after(last_index)
         for index in [i for i in self._layouts if i > last_index]:
             del self._layouts[index]
@@ -395,9 +530,11 @@ class SparsifyState:
             "rank": self._rank if self._checked else (self._loaded_meta or {}).get("rank", 0),
             "world_size": self._world_size if self._checked else (self._loaded_meta or {}).get("world_size", 1),
             "residuals": self.residuals.state() if self.error_feedback else {},
-            "velocities": self.velocities.state() if self.momentum > 0.0 else {},
+            "velocities": self.velocities.state() if self.momentum > 0.0 or self.counts_momentum_in_sends else {},
             "stats": self._stats.state_dict(),
             "nonfinite_steps": self._nonfinite_steps(),
+            "last_updates": self.last_updates.state(),
+            "optimizer_momenta": dict(sorted(self._momenta.items())),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any], residuals: bool = True) -> None:
@@ -419,6 +556,11 @@ class SparsifyState:
         if state_dict["version"] != _STATE_VERSION:
             raise ValueError(f"hook state version {state_dict['version']!r} is not supported (expected {_STATE_VERSION})")
         saved, mine = {**_CONFIG_ADDED_LATER, **state_dict["config"]}, self._config_ints()
+        absent = [name for name in _CONFIG_FREE_IF_ABSENT if name not in saved]
+        if absent:
+            logger.warning("SparsifyState: the hook state was saved before %s existed; it resumes with %s",
+                           ", ".join(absent), ", ".join(f"{name}={getattr(self, name)!r}" for name in absent))
+            saved.update({name: mine[name] for name in absent})
         if saved != mine:
             raise ValueError(
                 f"the hook state was saved with {self._describe(saved)} but this SparsifyState has "
@@ -431,6 +573,8 @@ class SparsifyState:
         self._nonfinite = None if not nonfinite else torch.tensor(check_int("nonfinite_steps", nonfinite, 0))
         self.residuals.load(state_dict["residuals"] if residuals else {})
         self.velocities.load(state_dict.get("velocities", {}) if residuals else {})
+        self.last_updates.load(state_dict.get("last_updates", {}) if residuals else {})
+        self._momenta = {int(k): float(v) for k, v in state_dict.get("optimizer_momenta", {}).items()}
         self._loaded_keys = {int(k) for k in state_dict["residuals"]} if residuals else None
         self._layouts.clear()
         self._loaded_meta = {"rank": state_dict["rank"], "world_size": state_dict["world_size"]} if residuals else None
@@ -443,7 +587,9 @@ class SparsifyState:
         return {"options": {"method": self.method, "density": self.density, "scope": self.scope,
                             "aggregation": self.aggregation, "error_feedback": self.error_feedback,
                             "warmup_steps": self.warmup_steps, "seed": self.seed,
-                            "momentum": self.momentum, "weight_decay": self.weight_decay},
+                            "momentum": self.momentum, "weight_decay": self.weight_decay,
+                            "block_size": self.block_size, "optimizer_momentum": self.optimizer_momentum,
+                            "density_warmup_steps": self.density_warmup_steps},
                 "state": self.state_dict()}
 
     def __setstate__(self, blob) -> None:

@@ -53,7 +53,7 @@ def _train(rank, hook, state, steps=4, **ddp_kwargs):
 
 def _sparsify_train(rank, combo, **ddp_kwargs):
     method, scope, aggregation = combo
-    state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1)
+    state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1, density_warmup_steps=0)
     return _train(rank, sparsify_hook, state, **ddp_kwargs)
 
 
@@ -76,7 +76,7 @@ def _mass_error(rank, world, combo, unused_at=None, steps=9, net_class=Net, **dd
     method, scope, aggregation = combo
     net, ref = net_class(), net_class()
     model = DDP(net, bucket_cap_mb=0.002, **ddp_kwargs)
-    state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1)
+    state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1, density_warmup_steps=0)
     model.register_comm_hook(state, sparsify_hook)
     applied = torch.zeros(sum(p.numel() for p in net.parameters()), dtype=torch.float64)
     true_sum = torch.zeros_like(applied)
@@ -157,8 +157,8 @@ def _fp16_wrapper(rank):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dense = SparsifyState(density=1.0)
-    sparse = SparsifyState(method="topk", aggregation="allgather", density=0.1)
+        dense = SparsifyState(density=1.0, density_warmup_steps=0, optimizer_momentum="steps")
+    sparse = SparsifyState(method="topk", aggregation="allgather", density=0.1, density_warmup_steps=0)
     same = torch.equal(_train(rank, fp16_compress_hook, None), _train(rank, fp16_compress_wrapper(sparsify_hook), dense))
     _train(rank, fp16_compress_wrapper(sparsify_hook), sparse)
     return same and all(t.dtype == torch.float32 for t in sparse.residuals.state().values())

@@ -43,7 +43,7 @@ class _Net(torch.nn.Module):
 
 def _nonzeros_per_step(rank, world, method, aggregation, as_view, nan_at):
     model = DDP(_Net(), bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
-    state = SparsifyState(method=method, density=DENSITY, scope="layer", aggregation=aggregation)
+    state = SparsifyState(method=method, density=DENSITY, scope="layer", aggregation=aggregation, density_warmup_steps=0)
     model.register_comm_hook(state, sparsify_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counts, finite = [], []

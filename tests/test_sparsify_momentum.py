@@ -11,24 +11,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_hooks import SparsifyState, build_sparsify_sgd, check_optimizer, sparsify_hook
 from ddp_hooks.sparsify_state import _float_bits
 from ddp_hooks.testing import run_distributed
+from small_mlp import batch, flat, small_mlp
 
 COMBOS = [("topk", s, "allgather") for s in ("layer", "bucket", "global")] + [
     (m, s, a) for m in ("randomk", "random_block") for s in ("layer", "bucket", "global") for a in ("allreduce", "allgather")
 ]
 M, WD = 0.9, 5e-4
 
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
-
-
-def _batch(rank, step):
-    return torch.randn(8, 20, generator=torch.Generator().manual_seed(1000 * step + rank))
-
-
-def _flat(tensors):
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+_model, _batch, _flat = small_mlp, batch, flat
 
 
 # ----- options, state dicts, pairing (one process) -----
@@ -55,7 +45,7 @@ def test_momentum_options_travel_exactly_through_a_checkpoint(tmp_path):
     other = SparsifyState(method="randomk", density=0.2, momentum=0.9, weight_decay=5e-4)
     other.load_state_dict(sd)
     assert torch.equal(other.state_dict()["velocities"][0], torch.full((3,), 2.0))
-    with pytest.raises(ValueError, match="saved with .*momentum=0.9, weight_decay=0.0005 but .*momentum=0.8"):
+    with pytest.raises(ValueError, match="saved with .*momentum=0.9, weight_decay=0.0005, .* but .*momentum=0.8"):
         SparsifyState(method="randomk", density=0.2, momentum=0.8, weight_decay=5e-4).load_state_dict(sd)
 
 
@@ -73,7 +63,7 @@ def test_a_state_saved_before_the_momentum_option_loads_as_momentum_zero():
     sd = SparsifyState(density=0.1).state_dict()
     del sd["config"]["momentum_bits"], sd["config"]["weight_decay_bits"], sd["velocities"]
     SparsifyState(density=0.1).load_state_dict(sd)
-    with pytest.raises(ValueError, match="saved with .*momentum=0, weight_decay=0 but"):
+    with pytest.raises(ValueError, match="saved with .*momentum=0, weight_decay=0, .* but"):
         SparsifyState(density=0.1, momentum=0.5).load_state_dict(sd)
 
 
@@ -92,7 +82,7 @@ def test_check_optimizer_refuses_momentum_or_decay_applied_twice():
 def test_check_optimizer_warns_about_the_combination_known_to_diverge(method):
     aggregation = "allgather"
     with pytest.warns(UserWarning, match=f"method='{method}' with error feedback under the optimizer's momentum"):
-        check_optimizer(SparsifyState(method=method, aggregation=aggregation), _sgd(0.9))
+        check_optimizer(SparsifyState(method=method, aggregation=aggregation, optimizer_momentum="steps"), _sgd(0.9))
 
 
 def test_check_optimizer_warns_when_weight_decay_skips_the_hooks_momentum():
@@ -124,17 +114,20 @@ def _teacher_task(rank, steps, batch=32):
 def _converge(rank, world, steps=200):
     data, (x_eval, y_eval) = _teacher_task(rank, steps)
     out = {}
-    for kind in ("dense", "optimizer momentum", "build_sparsify_sgd"):
+    for kind in ("dense", "optimizer momentum as is", "unchanged code", "build_sparsify_sgd"):
         torch.manual_seed(0)
         ddp = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
         caught = []
+        sparse = dict(method="random_block", density=0.05, density_warmup_steps=0)  # momentum in sends alone
         if kind == "build_sparsify_sgd":
-            _, opt = build_sparsify_sgd(ddp, lr=0.1, momentum=M, weight_decay=WD, method="random_block", density=0.05)
+            _, opt = build_sparsify_sgd(ddp, lr=0.1, momentum=M, weight_decay=WD, **sparse)
         else:
             if kind == "dense":
                 ddp.register_comm_hook(None, allreduce_hook)
+            elif kind == "unchanged code":  # SGD's momentum, counted in sends by the hook
+                ddp.register_comm_hook(SparsifyState(**sparse), sparsify_hook)
             else:  # the pairing shipped before issue 8: error feedback on the gradient, momentum in SGD
-                ddp.register_comm_hook(SparsifyState(method="random_block", density=0.05), sparsify_hook)
+                ddp.register_comm_hook(SparsifyState(optimizer_momentum="steps", **sparse), sparsify_hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=M, weight_decay=WD)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -155,12 +148,13 @@ def test_random_block_with_momentum_sgd_converges_where_optimizer_momentum_diver
     res = run_distributed(_converge, 2, timeout=120)[0]
     dense_loss, dense_acc, _ = res["dense"]
     assert dense_loss < 0.2 and dense_acc > 0.93, res["dense"]
-    loss, acc, built_warnings = res["build_sparsify_sgd"]
-    assert loss < 0.5 and acc > 0.9, res["build_sparsify_sgd"]
-    assert not any("diverge" in w or "twice" in w for w in built_warnings), built_warnings
-    # the old pairing: the optimizer multiplies each stale burst by 1/(1 - 0.9), and the loss explodes
-    old_loss, _, old_warnings = res["optimizer momentum"]
-    assert not old_loss < 5.0, res["optimizer momentum"]
+    for kind in ("build_sparsify_sgd", "unchanged code"):
+        loss, acc, built_warnings = res[kind]
+        assert loss < 0.5 and acc > 0.9, (kind, res[kind])
+        assert not any("diverge" in w or "twice" in w for w in built_warnings), built_warnings
+    # the optimizer's momentum as is: it multiplies each stale burst by 1/(1 - 0.9), and the loss explodes
+    old_loss, _, old_warnings = res["optimizer momentum as is"]
+    assert not old_loss < 5.0, res["optimizer momentum as is"]
     assert any("known to diverge" in w for w in old_warnings), old_warnings
 
 
@@ -190,7 +184,7 @@ def _parity(rank, world):
                                                    - ref).abs().max().item()
         model = DDP(_model(), bucket_cap_mb=0.002)
         state, opt = build_sparsify_sgd(model, lr=0.05, momentum=M, weight_decay=WD, method="randomk", density=1.0)
-        assert state.momentum == M and state.weight_decay == WD and opt.defaults["momentum"] == 0.0
+        assert state.counts_momentum_in_sends and state.momentum == 0.0 and opt.defaults["momentum"] == M
         diffs["build_sparsify_sgd"] = (_train(model, opt, rank) - ref).abs().max().item()
     return diffs, ref.abs().max().item()
 
@@ -201,12 +195,9 @@ def test_density_one_with_hook_momentum_equals_momentum_sgd_with_weight_decay():
         assert diff < 1e-6 * scale, (combo, diff)  # float rounding: each rank's velocity is averaged
 
 
-def test_build_sparsify_sgd_keeps_top_k_momentum_in_the_optimizer():
-    from ddp_hooks.sparsify_sgd import momentum_in_hook
-
-    assert momentum_in_hook("randomk", True, 0.9) and momentum_in_hook("random_block", True, 0.9)
-    assert not momentum_in_hook("topk", True, 0.9)
-    assert not momentum_in_hook("randomk", False, 0.9) and not momentum_in_hook("randomk", True, 0.0)
+def test_build_sparsify_sgd_builds_the_users_own_sgd():
+    assert SparsifyState(method="random_block").counts_momentum_in_sends
+    assert not SparsifyState(method="topk", aggregation="allgather").counts_momentum_in_sends
 
 
 # ----- mass: sum of what a rank sent + its residual == sum of its gradients + momentum's carry at sends -----

@@ -1,0 +1,128 @@
+r"""The averaged update each bucket received at the last step, kept sparse and keyed by parameter.
+
+With the optimizer's momentum counted in sends (:class:`~ddp_hooks.SparsifyState`,
+``optimizer_momentum="sends"``) the hook returns ``u_t - m u_{t-1}``, where
+``u_t`` is this step's averaged sent velocity, so that the optimizer's own
+buffer ``m buf + grad`` holds exactly ``u_t``. ``u_{t-1}`` is zero except
+where some rank sent at the last step: this store keeps those positions and
+values per bucket, O(k) memory and work, not a dense copy of the model.
+
+Like the residuals (:mod:`ddp_hooks.residuals`) it follows its parameters
+when DDP rebuilds its buckets: a bucket index that comes back with another
+layout takes its entries parameter by parameter from wherever they were, and
+:meth:`LastUpdates.state` saves them per parameter key, so a checkpoint
+resumes on DDP's initial buckets.
+
+Example::
+
+    >>> import torch
+    >>> store = LastUpdates()
+    >>> store.put(0, ((0, 0, 4), (1, 4, 4)), torch.tensor([1, 6]), torch.tensor([0.5, -2.0]))
+    >>> positions, values = store.get(0, ((0, 0, 4), (1, 4, 4)), torch.device("cpu"))
+    >>> positions.tolist(), values.tolist()
+    ([1, 6], [0.5, -2.0])
+    >>> # after a rebuild parameter 1 comes first in bucket 0: its entry follows it
+    >>> positions, values = store.get(0, ((1, 0, 4),), torch.device("cpu"))
+    >>> positions.tolist(), values.tolist()
+    ([2], [-2.0])
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .residuals import Layout
+
+__all__ = ["LastUpdates"]
+
+Entries = Tuple[torch.Tensor, torch.Tensor]  # (int64 positions, float32 values)
+
+
+class LastUpdates:
+    """Per bucket, the positions and values of the last averaged update, following parameters across rebuilds."""
+
+    __slots__ = ("_by_bucket", "_pending")
+
+    def __init__(self) -> None:
+        self._by_bucket: Dict[int, Tuple[Layout, torch.Tensor, torch.Tensor]] = {}
+        # per parameter key: positions within the parameter and values, not yet placed in a bucket
+        self._pending: Dict[int, Entries] = {}
+
+    def get(self, bucket_index: int, layout: Layout, device: torch.device) -> Optional[Entries]:
+        """The bucket's last update in this layout, on ``device``, or ``None`` if it received none."""
+        stored = self._by_bucket.get(bucket_index)
+        if stored is not None and stored[0] == layout:
+            return stored[1], stored[2]
+        if stored is not None:  # a rebuild: every bucket's entries go back to their parameters
+            self._unplace_all()
+        positions, values = [], []
+        for key, offset, _ in layout:
+            entry = self._pending.pop(key, None)
+            if entry is not None:
+                positions.append(entry[0].to(device) + offset)
+                values.append(entry[1].to(device))
+        if not positions:
+            return None
+        return torch.cat(positions), torch.cat(values)
+
+    def put(self, bucket_index: int, layout: Layout, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Record the bucket's update of this step: distinct positions and their values."""
+        self._by_bucket[bucket_index] = (layout, positions, values)
+
+    def drop(self, bucket_index: int) -> None:
+        """Forget a bucket's update (its step sent nothing to remember)."""
+        self._by_bucket.pop(bucket_index, None)
+
+    def drop_buckets_after(self, last_index: int) -> None:
+        """Give the entries of bucket indices past the step's last bucket back to their parameters."""
+        for index in [i for i in self._by_bucket if i > last_index]:
+            self._unplace(index)
+
+    def clear(self) -> None:
+        self._by_bucket.clear()
+        self._pending.clear()
+
+    def _unplace_all(self) -> None:
+        for index in list(self._by_bucket):
+            self._unplace(index)
+
+    def _unplace(self, bucket_index: int) -> None:
+        layout, positions, values = self._by_bucket.pop(bucket_index)
+        if not positions.numel():
+            return
+        starts = torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=positions.device)
+        owner = torch.searchsorted(starts, positions, right=True) - 1
+        for i, (key, offset, _) in enumerate(layout):
+            mine = owner == i
+            if bool(mine.any()):
+                self._pending[key] = (positions[mine] - offset, values[mine])
+
+    def state(self) -> Dict[str, Dict[int, torch.Tensor]]:
+        """Per parameter key, positions within the parameter and values (copies, on the CPU)."""
+        self._unplace_all()
+        out = {"positions": {}, "values": {}}
+        for key in sorted(self._pending):
+            positions, values = self._pending[key]
+            out["positions"][key] = positions.detach().cpu().clone()
+            out["values"][key] = values.detach().cpu().clone()
+        return out
+
+    def load(self, state: Dict[str, Dict[int, torch.Tensor]]) -> None:
+        """Replace everything with a :meth:`state`; entries are placed when their parameters' buckets arrive."""
+        self.clear()
+        positions, values = state.get("positions", {}), state.get("values", {})
+        if set(positions) != set(values):
+            raise ValueError("the hook state's last update holds positions and values for different parameters: "
+                             "it was not written by SparsifyState.state_dict()")
+        for key in positions:
+            p, v = positions[key].reshape(-1).long(), values[key].reshape(-1).float()
+            if p.numel() != v.numel():
+                raise ValueError(f"the hook state's last update of parameter #{key} has {p.numel()} positions but "
+                                 f"{v.numel()} values: it was not written by SparsifyState.state_dict()")
+            self._pending[int(key)] = (p, v)
+
+    @property
+    def pending_keys(self):
+        return sorted(self._pending)

@@ -1,0 +1,18 @@
+"""The small MLP, its batches and a flattener, shared by the momentum tests (imported by module name)."""
+
+import torch
+
+
+def small_mlp(seed=0):
+    """20-30-40-5 with one Tanh: four parameter tensors, one DDP bucket."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
+
+
+def batch(rank, step):
+    """Rank ``rank``'s inputs at ``step``: a pure function of both."""
+    return torch.randn(8, 20, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def flat(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
