@@ -25,20 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-__all__ = ["HOOKS", "OPTIMIZERS", "Exchange", "build_exchange", "build_optimizer", "hook_warmup_steps",
-           "sparsify_momentum_in_hook"]
+__all__ = ["HOOKS", "OPTIMIZERS", "Exchange", "build_exchange", "build_optimizer", "hook_warmup_steps"]
 
 HOOKS = ("allreduce", "fp16", "powersgd", "sparsify", "local_sgd")
 OPTIMIZERS = ("sgd", "adagrad", "local_adaalter")
-
-
-def sparsify_momentum_in_hook(args) -> bool:
-    """True when ``--hook sparsify`` takes SGD's momentum and weight decay (``ddp_hooks.sparsify_sgd.momentum_in_hook``)."""
-    if args.hook != "sparsify" or args.optimizer != "sgd":
-        return False
-    from ddp_hooks.sparsify_sgd import momentum_in_hook
-
-    return momentum_in_hook(args.method, not args.no_error_feedback, args.momentum)
 
 
 def hook_warmup_steps(args) -> int:
@@ -211,15 +201,13 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad
     if args.hook == "sparsify":
         from ddp_hooks import SparsifyState, sparsify_hook
 
-        # A random selector with error feedback diverges under SGD's own momentum at the usual
-        # settings: momentum and weight decay then run in the hook, and build_optimizer gives
-        # SGD neither (the pairing ddp_hooks.build_sparsify_sgd makes).
-        in_hook = sparsify_momentum_in_hook(args)
+        # SGD keeps its momentum and weight decay: the hook counts the momentum in sends where the
+        # selector needs it (SparsifyState's optimizer_momentum="auto", as ddp_hooks.build_sparsify_sgd).
         state = SparsifyState(
             process_group=process_group, method=args.method, density=args.density, scope=args.scope,
             aggregation=args.aggregation, error_feedback=not args.no_error_feedback,
-            warmup_steps=warmup, seed=args.hook_seed, grad_scaler=grad_scaler,
-            momentum=args.momentum if in_hook else 0.0, weight_decay=args.weight_decay if in_hook else 0.0,
+            warmup_steps=warmup, seed=args.hook_seed, grad_scaler=grad_scaler, block_size=args.block_size,
+            density_warmup_steps=args.density_warmup_steps,
         )
         return Exchange("sparsify", state, sparsify_hook, sent_counter=lambda s: s.stats()["bytes_sent"])
     if args.hook == "local_sgd":
@@ -238,8 +226,6 @@ def build_optimizer(args, params, exchange: Optional[Exchange] = None,
     """The optimizer of ``args.optimizer`` over ``params`` (local_adaalter: sharing ``exchange``'s schedule)."""
     params = list(params)
     if args.optimizer == "sgd":
-        if sparsify_momentum_in_hook(args):  # the hook applies both (build_exchange)
-            return torch.optim.SGD(params, lr=args.lr, momentum=0.0, weight_decay=0.0)
         return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     if args.optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)

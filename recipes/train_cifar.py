@@ -1,10 +1,14 @@
-"""Train a ResNet on CIFAR-10 (or a synthetic look-alike) with DDP and a communication hook.
+"""Train a ResNet on CIFAR-10, Fashion-MNIST or a synthetic look-alike with DDP and a communication hook.
 
 One process per GPU (NCCL) or per CPU slot (gloo), started by torchrun::
 
     torchrun --standalone --nproc_per_node=2 recipes/train_cifar.py --data synthetic --hook sparsify
     torchrun --nnodes=2 --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         recipes/train_cifar.py --data cifar10 --data-dir ~/data --hook powersgd --model resnet18
+    torchrun --standalone --nproc_per_node=2 recipes/train_cifar.py --data fashion-mnist --hook sparsify
+
+``--data fashion-mnist`` reads Debian's ``dataset-fashion-mnist`` files (or
+``--data-dir``), see ``fashion_mnist_data.py``.
 
 Without torchrun it runs as a single process. Invalid flag combinations are
 refused by :func:`validate_args` before any process group starts.
@@ -41,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helper mod
 from cifar_data import ImageSet, augment, load_cifar10, make_synthetic  # noqa: E402
 from cifar_models import MODELS, build_model  # noqa: E402
 from comm_setup import HOOKS, OPTIMIZERS, build_exchange, build_optimizer  # noqa: E402
+from fashion_mnist_data import DEBIAN_FOLDER, load_fashion_mnist  # noqa: E402
 from run_metrics import MetricsFile, PhaseTimer, format_bytes, summary_table  # noqa: E402
 
 logger = logging.getLogger("train_cifar")
@@ -53,6 +58,8 @@ _OWNED_OPTIONS = {
     "density": ("hook", "sparsify", 0.01),
     "scope": ("hook", "sparsify", "layer"),
     "aggregation": ("hook", "sparsify", "allreduce"),
+    "block_size": ("hook", "sparsify", 16),
+    "density_warmup_steps": ("hook", "sparsify", None),  # None: the hook's default (1000 for random selectors)
     "powersgd_rank": ("hook", "powersgd", 1),
     "period": ("optimizer", "local_adaalter", 8),
     "momentum": ("optimizer", "sgd", 0.9),
@@ -67,10 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", choices=MODELS, default="resnet20", help="network (default: resnet20)")
     g.add_argument("--width", type=int, default=None,
                    help="channels of the first stage (default: 16 for resnet20..56, 64 for resnet18)")
-    g.add_argument("--data", choices=("synthetic", "cifar10"), default="synthetic",
-                   help="data set (default: synthetic)")
-    g.add_argument("--data-dir", default=None, help="folder holding cifar-10-batches-py/ (needed for cifar10)")
-    g.add_argument("--download", action="store_true", help="download CIFAR-10 into --data-dir (default: off)")
+    g.add_argument("--data", choices=("synthetic", "cifar10", "fashion-mnist"), default="synthetic",
+                   help="data set; fashion-mnist is 28x28 greyscale, fed to the models as 3 equal channels "
+                        "(default: synthetic)")
+    g.add_argument("--data-dir", default=None,
+                   help="cifar10: folder holding cifar-10-batches-py/ (required); fashion-mnist: folder holding "
+                        "the four idx files (plain or .gz), itself or in FashionMNIST/raw/ under it "
+                        f"(default: {DEBIAN_FOLDER}, from `apt-get install dataset-fashion-mnist`)")
+    g.add_argument("--download", action="store_true",
+                   help="download the data set into --data-dir through torchvision unless it is there already "
+                        "(default: off)")
     g.add_argument("--cifar-skip-md5", action="store_true",
                    help="read cifar-10-batches-py/ directly, without torchvision's md5 check, for a local "
                         "copy or subset in the same format (default: off)")
@@ -81,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--image-size", type=int, default=32, help="side of the synthetic images (default: 32)")
     g.add_argument("--augment", choices=("auto", "none", "crop-flip"), default="auto",
                    help="training-image augmentation; auto is crop-flip (4-pixel random crop, random flip) for "
-                        "cifar10 and none for synthetic, whose class templates are not shift-invariant "
-                        "(default: auto)")
+                        "cifar10 and fashion-mnist, and none for synthetic, whose class templates are not "
+                        "shift-invariant (default: auto)")
 
     g = p.add_argument_group("communication hook")
     g.add_argument("--hook", choices=HOOKS, default="allreduce", help="DDP comm hook (default: allreduce)")
@@ -90,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparsify: coordinate selector (default: random_block)")
     g.add_argument("--density", type=float, default=None,
                    help="sparsify: fraction of entries sent, in (0, 1] (default: 0.01)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="sparsify, random_block: entries per block (default: 16)")
+    g.add_argument("--density-warmup-steps", type=int, default=None,
+                   help="sparsify: steps over which the density falls from 1 to --density (default: 1000 for "
+                        "randomk and random_block, 0 for topk)")
     g.add_argument("--scope", choices=("layer", "bucket", "global"), default=None,
                    help="sparsify: unit that gets its own budget (default: layer)")
     g.add_argument("--aggregation", choices=("allreduce", "allgather"), default=None,
@@ -193,7 +211,8 @@ def validate_args(args, cuda_available: bool) -> None:
             raise ValueError("--hook powersgd needs --warmup-steps >= 2: PowerSGD with error feedback can only "
                              "start after DDP rebuilt its buckets at the end of the first step")
     for name, low in (("epochs", 1), ("stop_after", 1), ("batch_size", 1), ("log_every", 1), ("synthetic_size", 1),
-                      ("image_size", 8), ("period", 1), ("warmup_steps", 0), ("threads", 1), ("width", 1)):
+                      ("image_size", 8), ("period", 1), ("warmup_steps", 0), ("threads", 1), ("width", 1),
+                      ("block_size", 1), ("density_warmup_steps", 0)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
@@ -212,8 +231,17 @@ def validate_args(args, cuda_available: bool) -> None:
             raise ValueError("--download and --cifar-skip-md5 exclude each other: downloads are md5-checked")
         if args.image_size != 32:
             raise ValueError("--image-size applies to --data synthetic only: CIFAR-10 images are 32x32")
+    elif args.data == "fashion-mnist":
+        if args.download and args.data_dir is None:
+            raise ValueError("--data fashion-mnist --download needs --data-dir, the folder that receives "
+                             f"FashionMNIST/raw/; without --download, {DEBIAN_FOLDER} is read")
+        if args.cifar_skip_md5:
+            raise ValueError("--cifar-skip-md5 applies to --data cifar10 only, not --data fashion-mnist")
+        if args.image_size != 32:
+            raise ValueError("--image-size applies to --data synthetic only: Fashion-MNIST images are 28x28")
     elif args.download or args.cifar_skip_md5 or args.data_dir is not None:
-        raise ValueError("--data-dir, --download and --cifar-skip-md5 apply to --data cifar10 only")
+        raise ValueError("--data-dir, --download and --cifar-skip-md5 apply to --data cifar10 only (--data-dir and "
+                         "--download to fashion-mnist too), not to --data synthetic, which reads no files")
     if args.stop_after is not None and args.stop_after > args.epochs:
         raise ValueError(f"--stop-after {args.stop_after} exceeds --epochs {args.epochs}")
     if args.resume and args.out_dir is None:
@@ -285,6 +313,12 @@ def _load_data(args, rank: int):
         return (make_synthetic(args.synthetic_size, args.seed, True, args.image_size, noise=args.synthetic_noise),
                 make_synthetic(max(1, args.synthetic_size // 5), args.seed, False, args.image_size,
                                noise=args.synthetic_noise))
+    if args.data == "fashion-mnist":
+        if not args.download:
+            return load_fashion_mnist(args.data_dir)
+        sets = load_fashion_mnist(args.data_dir, download=True) if rank == 0 else None
+        dist.barrier()  # rank 0 downloads, then everyone reads
+        return sets if sets is not None else load_fashion_mnist(args.data_dir)
     verify = not args.cifar_skip_md5
     if args.download and rank == 0:  # one download, then everyone reads it
         load_cifar10(args.data_dir, True, download=True)
@@ -300,7 +334,7 @@ class Trainer:
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.train_set, self.test_set = _load_data(args, self.rank)
-        self.augment = args.augment == "crop-flip" or (args.augment == "auto" and args.data == "cifar10")
+        self.augment = args.augment == "crop-flip" or (args.augment == "auto" and args.data != "synthetic")
         self.sampler = DistributedSampler(self.train_set, num_replicas=self.world_size, rank=self.rank,
                                           shuffle=True, seed=args.seed, drop_last=True)
         self.steps_per_epoch = len(self.sampler) // args.batch_size

@@ -73,26 +73,22 @@ def test_defaults_of_owned_options_are_filled_for_their_owner_only():
     assert _args("--amp", cuda=True).amp  # accepted where CUDA exists
 
 
-@pytest.mark.parametrize("argv, hook_momentum", [
-    (["--hook", "sparsify"], True),  # random_block with error feedback: momentum and weight decay in the hook
+@pytest.mark.parametrize("argv, in_sends", [
+    (["--hook", "sparsify"], True),  # random_block with error feedback: SGD's momentum counted in sends
     (["--hook", "sparsify", "--method", "randomk", "--aggregation", "allgather"], True),
     (["--hook", "sparsify", "--method", "topk", "--aggregation", "allgather"], False),
     (["--hook", "sparsify", "--no-error-feedback"], False),
-    (["--hook", "sparsify", "--momentum", "0"], False),
     (["--hook", "allreduce"], False),
 ])
-def test_sparsify_with_sgd_momentum_pairs_hook_and_optimizer(argv, hook_momentum):
+def test_sparsify_keeps_sgds_momentum_and_weight_decay(argv, in_sends):
     import comm_setup
 
     args = _args(*argv, "--weight-decay", "5e-4")
     exchange = comm_setup.build_exchange(args)
     opt = comm_setup.build_optimizer(args, [torch.nn.Parameter(torch.zeros(2))], exchange)
-    if hook_momentum:
-        assert (exchange.state.momentum, exchange.state.weight_decay) == (0.9, 5e-4)
-        assert (opt.defaults["momentum"], opt.defaults["weight_decay"]) == (0.0, 0.0)
-    else:
-        assert (opt.defaults["momentum"], opt.defaults["weight_decay"]) == (args.momentum, 5e-4)
-        assert getattr(exchange.state, "momentum", 0.0) == 0.0
+    assert (opt.defaults["momentum"], opt.defaults["weight_decay"]) == (args.momentum, 5e-4)
+    assert getattr(exchange.state, "momentum", 0.0) == 0.0
+    assert getattr(exchange.state, "counts_momentum_in_sends", False) == in_sends
 
 
 def test_amp_scaler_reaches_the_sparsifier():

@@ -45,11 +45,12 @@ COMBOS = {
     "sparsify-topk-allgather": ["--hook", "sparsify", "--method", "topk", "--aggregation", "allgather",
                                 "--density", "0.1", "--scope", "bucket"],
     "sparsify-randomk-adagrad": ["--hook", "sparsify", "--method", "randomk", "--density", "0.1",
-                                 "--optimizer", "adagrad", "--warmup-steps", "1"],
+                                 "--optimizer", "adagrad", "--warmup-steps", "1", "--density-warmup-steps", "0"],
     "sparsify-block-global": ["--hook", "sparsify", "--method", "random_block", "--density", "0.1",
-                              "--scope", "global", "--lr-warmup-epochs", "1", "--hook-seed", "3"],
+                              "--scope", "global", "--lr-warmup-epochs", "1", "--hook-seed", "3",
+                              "--density-warmup-steps", "0", "--block-size", "4"],
     "sparsify-no-ef": ["--hook", "sparsify", "--density", "0.2", "--no-error-feedback",
-                       "--aggregation", "allgather"],
+                       "--aggregation", "allgather", "--density-warmup-steps", "0"],
     "cifar-folder": ["--data", "cifar10", "--cifar-skip-md5", "--synthetic-size", "64"],
 }
 if _has_local_sgd():
