@@ -68,7 +68,8 @@ class _Bucket:
             self.units = [Unit(i, i * per_layer, per_layer) for i in range(LAYERS)]
         else:
             self.units = [Unit(0, 0, numel)]
-        state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation)
+        state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation,
+                              density_warmup_steps=0)  # the steady state
         state._group, state._rank, state._world_size, state._checked = None, 0, 1, True
         self.state = state
         self.into_bucket = into_bucket  # write into the zeroed bucket (GPUs, gradient_as_bucket_view=True)

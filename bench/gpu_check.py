@@ -123,7 +123,8 @@ def _baseline(device: torch.device, numel: int, reps: int = 20):
 def check(config, device: torch.device, steps: int, density: float):
     method, scope, aggregation = config
     model = DDP(_model(device), bucket_cap_mb=BUCKET_MB + 1)
-    state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation)
+    state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation,
+                              density_warmup_steps=0)  # the steady state
     probe = _Probe(device)
     model.register_comm_hook(state, probe.hook)
     x = torch.randn(32, model.module[0].in_features, device=device)
