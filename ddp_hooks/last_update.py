@@ -29,13 +29,13 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .residuals import Layout
 
-__all__ = ["LastUpdates"]
+__all__ = ["LastUpdates", "UpdateRecord", "present_update"]
 
 Entries = Tuple[torch.Tensor, torch.Tensor]  # (int64 positions, float32 values)
 
@@ -126,3 +126,40 @@ class LastUpdates:
     @property
     def pending_keys(self):
         return sorted(self._pending)
+
+
+class UpdateRecord(NamedTuple):
+    """Where a flight's averaged update is remembered, and the optimizer momentum that multiplies it next."""
+
+    bucket: int  # bucket index (or GLOBAL_BUCKET)
+    layout: tuple
+    starts: torch.Tensor  # offsets where the layout's parameters start
+    momentum: object  # float, or float32 tensor with one per parameter of the layout
+
+
+def present_update(store: LastUpdates, record: UpdateRecord, target: torch.Tensor, written: List[torch.Tensor],
+                   scale: Optional[torch.Tensor], inv_scale: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    """Turn the averaged update ``u_t`` in ``target`` into ``u_t - m u_{t-1}``; remember ``u_t``.
+
+    The optimizer's buffer then steps to ``m (u_{t-1} + z) + u_t - m u_{t-1}
+    = u_t + m z``: it holds this step's sent velocity (plus the momentum of
+    whatever else it was given, weight decay), whatever it held from the
+    sends before. Returns every position now written in ``target``.
+    """
+    positions = written[0] if len(written) == 1 else torch.cat(written).unique()  # AllGather: ranks overlap
+    values = target.index_select(0, positions).float()
+    previous = store.get(record.bucket, record.layout, target.device)
+    m = record.momentum
+    if previous is not None and (isinstance(m, torch.Tensor) or m != 0.0):
+        where, before = previous
+        if isinstance(m, torch.Tensor):
+            factor = m.index_select(0, torch.searchsorted(record.starts, where, right=True) - 1).neg_()
+        else:
+            factor = torch.full((), -float(m), device=target.device)
+        if scale is not None:
+            factor = factor * scale
+        target.index_add_(0, where, (before * factor).to(target.dtype))
+        written = [positions, where]
+    store.put(record.bucket, record.layout, positions,
+                           values if inv_scale is None else values * inv_scale)
+    return written

@@ -98,7 +98,8 @@ import torch.distributed as dist
 from ._validate import check_hook_call
 from .collectives import allreduce_mean
 from .selection import Unit
-from .sparsify_exchange import _commit, _decay, _launch, _launch_global, _scan, _UpdateRecord
+from .last_update import UpdateRecord
+from .sparsify_exchange import _commit, _decay, _launch, _launch_global, _scan
 from .sparsify_state import SparsifyState
 
 __all__ = ["sparsify_hook"]
@@ -192,7 +193,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         flight = _launch(state, buffer, residual, units, starts, marks, state.step, decay, velocity, everything=dense,
                          density=density, momentum=0.0 if momentum is None else momentum)
         if state.counts_momentum_in_sends and not dense:
-            flight.update = _UpdateRecord(index, layout, starts, 0.0 if momentum is None else momentum)
+            flight.update = UpdateRecord(index, layout, starts, 0.0 if momentum is None else momentum)
         if not dense:  # where it pays, the result goes to a vector kept at zero between steps
             flight.result = state._results.for_bucket(index, buffer, gradients, bucket.parameters())
         state._flights.append(flight)

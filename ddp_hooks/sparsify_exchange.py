@@ -12,11 +12,12 @@ into the buckets, or into the zero-kept result vectors of
 ``bench/bench_sparsify_kernels.py`` times.
 """
 
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .collectives import allgather, allreduce_sum
+from .last_update import UpdateRecord, present_update
 from .residuals import GLOBAL_BUCKET
 from .seeding import SHARED
 from .selection import Unit, select, select_topk
@@ -50,16 +51,7 @@ class _Flight:
         self.sent = None  # the float32 values this rank sent at `positions` (scaled units), for the velocity
         self.result = None  # a SparseOutput that receives the result instead of `grad`, or None
         self.cancelled = False  # grad at `positions` holds -before: e + grad is exactly 0 there
-        self.update = None  # optimizer momentum counted in sends: an _UpdateRecord, or None
-
-
-class _UpdateRecord(NamedTuple):
-    """Where a flight's averaged update is remembered, and the optimizer momentum that multiplies it next."""
-
-    bucket: int  # bucket index (or GLOBAL_BUCKET)
-    layout: tuple
-    starts: torch.Tensor  # offsets where the layout's parameters start
-    momentum: object  # float, or float32 tensor with one per parameter of the layout
+        self.update = None  # optimizer momentum counted in sends: an UpdateRecord, or None
 
 
 def _fill_if(tensor: torch.Tensor, flag: torch.Tensor, value: float, sync_free: Optional[bool] = None) -> None:
@@ -314,7 +306,7 @@ def _launch_global(state: SparsifyState, step: int, density: float) -> _Flight:
                      decay, velocity, density=density, momentum=0.0 if momentum is None else momentum)
     flight.outputs = buffers
     if state.counts_momentum_in_sends:
-        flight.update = _UpdateRecord(GLOBAL_BUCKET, layout, starts, 0.0 if momentum is None else momentum)
+        flight.update = UpdateRecord(GLOBAL_BUCKET, layout, starts, 0.0 if momentum is None else momentum)
     return flight
 
 
@@ -372,34 +364,6 @@ def _update_states(flight: _Flight, discard: torch.Tensor, inv_scale: Optional[t
             flight.velocity.index_put_((positions,), torch.where(keep, flight.velocity_before, sent))
 
 
-def _present_update(state: SparsifyState, record: _UpdateRecord, target: torch.Tensor, written: List[torch.Tensor],
-                    scale: Optional[torch.Tensor], inv_scale: Optional[torch.Tensor]) -> List[torch.Tensor]:
-    """Turn the averaged update ``u_t`` in ``target`` into ``u_t - m u_{t-1}``; remember ``u_t``.
-
-    The optimizer's buffer then steps to ``m (u_{t-1} + z) + u_t - m u_{t-1}
-    = u_t + m z``: it holds this step's sent velocity (plus the momentum of
-    whatever else it was given, weight decay), whatever it held from the
-    sends before. Returns every position now written in ``target``.
-    """
-    positions = written[0] if len(written) == 1 else torch.cat(written).unique()  # AllGather: ranks overlap
-    values = target.index_select(0, positions).float()
-    previous = state.last_updates.get(record.bucket, record.layout, target.device)
-    m = record.momentum
-    if previous is not None and (isinstance(m, torch.Tensor) or m != 0.0):
-        where, before = previous
-        if isinstance(m, torch.Tensor):
-            factor = m.index_select(0, torch.searchsorted(record.starts, where, right=True) - 1).neg_()
-        else:
-            factor = torch.full((), -float(m), device=target.device)
-        if scale is not None:
-            factor = factor * scale
-        target.index_add_(0, where, (before * factor).to(target.dtype))
-        written = [positions, where]
-    state.last_updates.put(record.bucket, record.layout, positions,
-                           values if inv_scale is None else values * inv_scale)
-    return written
-
-
 def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.Tensor]) -> None:
     """End of the step, all exchanges done: one verdict for the step, then states and outputs."""
     results = [flight.future.value() for flight in flights]
@@ -413,7 +377,7 @@ def _commit(state: SparsifyState, flights: List[_Flight], scale: Optional[torch.
         target = flight.grad.zero_() if flight.result is None else flight.result.clear()
         written = write(target)
         if flight.update is not None and applied:
-            written = _present_update(state, flight.update, target, written, scale, inv_scale)
+            written = present_update(state.last_updates, flight.update, target, written, scale, inv_scale)
         if flight.result is not None:
             flight.result.written = written
         if flight.outputs is not None:
