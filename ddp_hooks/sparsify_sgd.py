@@ -142,7 +142,8 @@ def check_optimizer(state: SparsifyState, optimizer: torch.optim.Optimizer, para
                     "optimizer's momentum as it is with SparsifyState(optimizer_momentum='steps') and a dense "
                     "warm-up (warmup_steps), or use ddp_hooks.build_sparsify_sgd"
                 )
-        if (state.momentum == 0.0 and not state.counts_momentum_in_sends and opt_m > 0.0 and state.error_feedback
+        counted = state.counts_momentum_in_sends and isinstance(optimizer, torch.optim.SGD)
+        if (state.momentum == 0.0 and not counted and opt_m > 0.0 and state.error_feedback
                 and state.method in RANDOM_METHODS):
             warnings.warn(
                 f"method={state.method!r} with error feedback under the optimizer's momentum={opt_m:g} is known "
@@ -171,11 +172,11 @@ def watch_first_step(state: SparsifyState) -> None:
     while _FINISHED:
         _FINISHED.pop().remove()
     ref = weakref.ref(state)
-    seen_ids = set()
+    seen = weakref.WeakSet()
     done = []
 
     def pre_step(optimizer, args, kwargs):
-        if done or id(optimizer) in seen_ids:
+        if done or optimizer in seen:
             return
         st = ref()
         if st is None:
@@ -186,7 +187,7 @@ def watch_first_step(state: SparsifyState) -> None:
         if not any(id(p) in keys for group in optimizer.param_groups for p in group["params"]):
             return  # another model's optimizer
         check_optimizer(st, optimizer, param_ids=keys)
-        seen_ids.add(id(optimizer))
+        seen.add(optimizer)
         st._optimizers.append(weakref.ref(optimizer))
         st.refresh_momenta()
 

@@ -41,10 +41,11 @@ def _bits_float(bits: int) -> float:
 
 
 # Options added after version 1 states were first saved, with the values those states imply.
-_CONFIG_ADDED_LATER = {"momentum_bits": _float_bits(0.0), "weight_decay_bits": _float_bits(0.0)}
+_CONFIG_ADDED_LATER = {"momentum_bits": _float_bits(0.0), "weight_decay_bits": _float_bits(0.0),
+                       "density_warmup_steps": 0}
 # Options added later still (issue 16) that change which entries are sent or how the result is
 # presented, not what the residuals mean: a state saved without them resumes under any value.
-_CONFIG_FREE_IF_ABSENT = ("block_size", "optimizer_momentum", "density_warmup_steps")
+_CONFIG_FREE_IF_ABSENT = ("block_size", "optimizer_momentum")
 
 
 class SparsifyState:
@@ -256,11 +257,13 @@ class SparsifyState:
                 f"`momentum`={self.momentum!r} needs `error_feedback`=True: the hook's velocity is what error "
                 "feedback accumulates; without error feedback keep momentum in the optimizer (momentum=0 here)"
             )
-        if self.optimizer_momentum == "sends" and (self.momentum > 0.0 or not self.error_feedback):
+        if self.optimizer_momentum == "sends" and (self.momentum > 0.0 or self.weight_decay > 0.0
+                                                   or not self.error_feedback):
             raise ValueError(
-                "`optimizer_momentum`='sends' needs `momentum`=0 and `error_feedback`=True (got "
-                f"momentum={self.momentum!r}, error_feedback={self.error_feedback!r}): it counts the optimizer's "
-                "momentum in the error-feedback sends, so the hook must not run a momentum of its own"
+                "`optimizer_momentum`='sends' needs `momentum`=0, `weight_decay`=0 and `error_feedback`=True (got "
+                f"momentum={self.momentum!r}, weight_decay={self.weight_decay!r}, error_feedback="
+                f"{self.error_feedback!r}): it counts the optimizer's momentum in the error-feedback sends, so "
+                "the hook must run no momentum or weight decay of its own (they stay in the optimizer)"
             )
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"`grad_scaler` must be None or a torch.amp.GradScaler, got {type(grad_scaler).__name__}; "
@@ -331,7 +334,8 @@ class SparsifyState:
     def counts_momentum_in_sends(self) -> bool:
         """True when the optimizer's momentum is counted in sends (``optimizer_momentum``, resolved)."""
         if self.optimizer_momentum == "auto":
-            return self.method in RANDOM_METHODS and self.error_feedback and self.momentum == 0.0
+            return (self.method in RANDOM_METHODS and self.error_feedback and self.momentum == 0.0
+                    and self.weight_decay == 0.0)
         return self.optimizer_momentum == "sends"
 
     def density_at(self, step: int) -> float:
@@ -343,22 +347,36 @@ class SparsifyState:
             return self.density
         return max(self.density, self.density ** (into / self.density_warmup_steps))
 
+    @property
+    def runs_velocity(self) -> bool:
+        """True while the hook keeps a velocity: its own momentum, or an optimizer momentum above 0 or not yet read.
+
+        With the optimizer's momentum counted in sends the velocity runs from
+        the first step (where no optimizer has been seen yet: its momentum is
+        unknown, and a velocity stepped with 0 holds what was sent) until the
+        optimizers seen turn out to have none (SGD without momentum, Adam).
+        """
+        if self.momentum > 0.0:
+            return True
+        if not self.counts_momentum_in_sends:
+            return False
+        return not self._momenta or any(m > 0.0 for m in self._momenta.values())
+
     def send_momentum(self, layout: Layout, device: torch.device):
         """The momentum the hook's velocity steps with in a bucket of this layout.
 
-        ``None`` when no velocity runs; a float when every parameter of the
-        bucket has the same; else a float32 tensor with one per parameter.
-        With the optimizer's momentum counted in sends, a parameter whose
-        optimizer has not been seen yet (the first step) counts 0.
+        ``None`` when no velocity runs (:attr:`runs_velocity`); a float when
+        every parameter of the bucket has the same; else a float32 tensor
+        with one per parameter. With the optimizer's momentum counted in
+        sends, a parameter whose optimizer has not been seen counts 0.
         """
         if self.momentum > 0.0:
             return self.momentum
-        if not self.counts_momentum_in_sends:
+        if not self.runs_velocity:
             return None
         momenta = [self._momenta.get(key, 0.0) for key, _, _ in layout]
         if not momenta or all(m == momenta[0] for m in momenta):
-            first = momenta[0] if momenta else 0.0
-            return None if first == 0.0 and self._momenta else first
+            return momenta[0] if momenta else 0.0
         return torch.tensor(momenta, dtype=torch.float32, device=device)
 
     def refresh_momenta(self) -> None:
@@ -369,7 +387,7 @@ class SparsifyState:
         changes it between steps is followed; other optimizers count 0 (they
         get the averaged gradient as it is).
         """
-        alive = []
+        alive, momenta = [], {}
         for ref in self._optimizers:
             optimizer = ref()
             if optimizer is None:
@@ -381,8 +399,11 @@ class SparsifyState:
                 for p in group["params"]:
                     key = self._param_keys.get(id(p))
                     if key is not None:
-                        self._momenta[key] = m
+                        momenta[key] = m
         self._optimizers = alive
+        self._momenta = momenta
+        if not self.runs_velocity:  # no momentum to count: drop the velocity (it restarts at 0 if one comes)
+            self.velocities.load({})
 
     # ----- binding to the process group, at the first hook call -----
     def _bind(self, bucket: dist.GradBucket) -> None:
@@ -530,7 +551,7 @@ class SparsifyState:
             "rank": self._rank if self._checked else (self._loaded_meta or {}).get("rank", 0),
             "world_size": self._world_size if self._checked else (self._loaded_meta or {}).get("world_size", 1),
             "residuals": self.residuals.state() if self.error_feedback else {},
-            "velocities": self.velocities.state() if self.momentum > 0.0 or self.counts_momentum_in_sends else {},
+            "velocities": self.velocities.state() if self.runs_velocity else {},
             "stats": self._stats.state_dict(),
             "nonfinite_steps": self._nonfinite_steps(),
             "last_updates": self.last_updates.state(),
@@ -555,8 +576,8 @@ class SparsifyState:
             raise ValueError(f"`state_dict` lacks {sorted(missing)}: it is not a SparsifyState.state_dict()")
         if state_dict["version"] != _STATE_VERSION:
             raise ValueError(f"hook state version {state_dict['version']!r} is not supported (expected {_STATE_VERSION})")
+        absent = [name for name in _CONFIG_FREE_IF_ABSENT if name not in state_dict["config"]]
         saved, mine = {**_CONFIG_ADDED_LATER, **state_dict["config"]}, self._config_ints()
-        absent = [name for name in _CONFIG_FREE_IF_ABSENT if name not in saved]
         if absent:
             logger.warning("SparsifyState: the hook state was saved before %s existed; it resumes with %s",
                            ", ".join(absent), ", ".join(f"{name}={getattr(self, name)!r}" for name in absent))
@@ -575,6 +596,8 @@ class SparsifyState:
         self.velocities.load(state_dict.get("velocities", {}) if residuals else {})
         self.last_updates.load(state_dict.get("last_updates", {}) if residuals else {})
         self._momenta = {int(k): float(v) for k, v in state_dict.get("optimizer_momenta", {}).items()}
+        if not self.runs_velocity:
+            self.velocities.load({})
         self._loaded_keys = {int(k) for k in state_dict["residuals"]} if residuals else None
         self._layouts.clear()
         self._loaded_meta = {"rank": state_dict["rank"], "world_size": state_dict["world_size"]} if residuals else None

@@ -212,3 +212,45 @@ def test_optimizer_momentum_choices_are_checked():
     assert SparsifyState(method="random_block").counts_momentum_in_sends
     assert not SparsifyState(method="topk", aggregation="allgather").counts_momentum_in_sends
     assert not SparsifyState(method="randomk", error_feedback=False).counts_momentum_in_sends
+
+
+def _resume_without_momentum(rank, world, tmp, adam):
+    def build():
+        model = DDP(_model())
+        state = SparsifyState(**OPTIONS)
+        model.register_comm_hook(state, sparsify_hook)
+        opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if adam
+               else torch.optim.SGD(model.parameters(), lr=0.05))
+        return model, state, opt
+
+    model, state, opt = build()
+    for step in range(3):
+        opt.zero_grad()
+        model(_batch(rank, step)).pow(2).mean().backward()
+        opt.step()
+    saved = state.state_dict()
+    assert not saved["velocities"]  # no momentum to count: no velocity kept or saved
+    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": saved}, f"{tmp}/r{rank}.pt")
+    model, state, opt = build()
+    ck = torch.load(f"{tmp}/r{rank}.pt", weights_only=True)
+    model.module.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    state.load_state_dict(ck["hook"])
+    for step in range(3, 5):
+        opt.zero_grad()
+        model(_batch(rank, step)).pow(2).mean().backward()
+        opt.step()
+    return state.step
+
+
+@pytest.mark.parametrize("adam", [True, False])
+def test_resume_with_an_optimizer_without_momentum(tmp_path, adam):
+    assert run_distributed(_resume_without_momentum, 2, str(tmp_path), adam) == [5, 5]
+
+
+def test_weight_decay_in_the_hook_does_not_count_the_optimizers_momentum():
+    # weight decay in the hook belongs to the hook's own momentum pairing; counting SGD's momentum as well
+    # would apply it twice during a dense warm-up
+    assert not SparsifyState(method="randomk", weight_decay=5e-4).counts_momentum_in_sends
+    with pytest.raises(ValueError, match=r"`optimizer_momentum`='sends' needs `momentum`=0, `weight_decay`=0"):
+        SparsifyState(method="randomk", weight_decay=5e-4, optimizer_momentum="sends")
