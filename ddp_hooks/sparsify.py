@@ -47,11 +47,10 @@ Warm-up: plain allreduce for the first ``warmup_steps`` steps; with momentum
 or weight decay in the hook the optimizer has neither, so warm-up steps send
 every position through the same path (the velocity steps everywhere). Then
 the density falls from 1 to ``density`` over ``density_warmup_steps``
-(:meth:`SparsifyState.density_at`; by default 1000 steps for the random
-selectors).
+(:meth:`SparsifyState.density_at`; by default over 1000 steps).
 
-The optimizer's momentum (``optimizer_momentum="sends"``, the default for the
-random selectors): the velocity of step 2 runs with each parameter's momentum
+The optimizer's momentum (``optimizer_momentum="sends"``, the default with
+error feedback): the velocity of step 2 runs with each parameter's momentum
 ``m`` read from its ``torch.optim.SGD``, and the result written in step 5 is
 ``u_t - m u_{t-1}``, where ``u_t`` is the average over ranks of the sent
 velocities and ``u_{t-1}`` the last step's, kept sparse

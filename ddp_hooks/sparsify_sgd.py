@@ -10,11 +10,13 @@ step and counts it in *sends*: it steps a velocity where a rank sends and
 returns ``u_t - m u_{t-1}``, so the optimizer's buffer holds exactly the
 averaged sent velocity ``u_t`` (:mod:`ddp_hooks.sparsify`,
 :class:`~ddp_hooks.SparsifyState`). User code keeps its optimizer, weight
-decay included (dense, in the optimizer). Top-k keeps the optimizer's
-momentum as it is: its large entries leave at once.
+decay included (dense, in the optimizer). Top-k, whose large entries leave at
+once, does not diverge under the optimizer's momentum, but it trains better
+with the momentum counted in sends as well (README, "Convergence on real
+images"), so the default is the same for every selector with error feedback.
 
-Random selectors also start with a density that falls from 1 to ``density``
-over their first ``density_warmup_steps`` (1000 by default): early, large and
+Every selector also starts with a density that falls from 1 to ``density``
+over its first ``density_warmup_steps`` (1000 by default): early, large and
 fast-changing gradients are what delayed sends handle worst.
 
 :func:`build_sparsify_sgd` registers the hook and builds that optimizer in one

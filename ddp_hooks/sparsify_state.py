@@ -25,7 +25,7 @@ AGGREGATIONS = ("allreduce", "allgather")
 OPTIMIZER_MOMENTUM = ("auto", "sends", "steps")
 #: Selectors whose coordinates leave at random times, regardless of their size.
 RANDOM_METHODS = ("randomk", "random_block")
-#: ``density_warmup_steps`` of the random selectors when none is given (measured: README, "Convergence").
+#: ``density_warmup_steps`` when none is given (measured: README, "Convergence on real images").
 DEFAULT_DENSITY_WARMUP_STEPS = 1000
 _STATE_VERSION = 1
 _INT64_MAX = (1 << 63) - 1
@@ -73,8 +73,8 @@ class SparsifyState:
             other rank's positions from ``(seed, step, unit, rank)``.
         error_feedback (bool): keep what was not sent and add it next step.
         warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps.
-        density_warmup_steps (int): >= 0, or ``None`` (the default): 1000 for
-            the random selectors, 0 for top-k. After ``warmup_steps``, the
+        density_warmup_steps (int): >= 0, or ``None`` (the default): 1000.
+            After ``warmup_steps``, the
             density falls geometrically from 1 to ``density`` over this many
             steps, ``density ** (s / density_warmup_steps)`` at the ``s``-th,
             as Deep Gradient Compression (Lin et al. 2018, arXiv 1712.01887)
@@ -82,7 +82,8 @@ class SparsifyState:
             selector sends a coordinate about once every ``1 / density``
             steps with all it gathered, and early in training, when
             gradients are large and change fast, such delayed bursts diverge;
-            the decay lets the delay grow as the gradients settle. It costs
+            the decay lets the delay grow as the gradients settle (top-k,
+            whose early residuals are also large, gains from it as well). It costs
             about ``density_warmup_steps * (1 - density) / ln(1 / density)``
             dense steps' bytes in all (215 for 1000 steps at density 0.01),
             and needs no knowledge of the run's length.
@@ -116,10 +117,9 @@ class SparsifyState:
             in unchanged optimizer code, with weight decay dense in the
             optimizer (its momentum runs as in plain SGD). ``"steps"``: the
             optimizer's momentum multiplies what arrives, as in plain DDP.
-            ``"auto"`` (default): ``"sends"`` for the random selectors with
-            error feedback, ``"steps"`` for top-k (whose large entries leave
-            at once, so no stale burst builds up) and without error
-            feedback. Nesterov and dampening under ``"sends"`` are refused at
+            ``"auto"`` (default): ``"sends"`` with error feedback (and no
+            ``momentum`` or ``weight_decay`` of the hook's own), ``"steps"``
+            without (nothing is held back, so nothing leaves late). Nesterov and dampening under ``"sends"`` are refused at
             the optimizer's first step; other optimizers (Adam, ...) get the
             averaged sparse gradient as they would under ``"steps"``.
         grad_scaler (torch.amp.GradScaler): the scaler of an AMP run, or
@@ -242,8 +242,8 @@ class SparsifyState:
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "the number of dense steps before sparsifying")
         self.seed = check_int("seed", seed, 0, "it seeds the random selectors", maximum=_INT64_MAX)
         self.block_size = check_int("block_size", block_size, 1, "it is the number of entries in a random block")
-        if density_warmup_steps is None:  # see the docstring: random selectors need it, top-k does not
-            density_warmup_steps = DEFAULT_DENSITY_WARMUP_STEPS if method in RANDOM_METHODS else 0
+        if density_warmup_steps is None:  # see the docstring
+            density_warmup_steps = DEFAULT_DENSITY_WARMUP_STEPS
         self.density_warmup_steps = check_int("density_warmup_steps", density_warmup_steps, 0,
                                               "the number of steps over which the density falls to `density`")
         self.optimizer_momentum = check_choice("optimizer_momentum", optimizer_momentum, OPTIMIZER_MOMENTUM,
@@ -334,8 +334,7 @@ class SparsifyState:
     def counts_momentum_in_sends(self) -> bool:
         """True when the optimizer's momentum is counted in sends (``optimizer_momentum``, resolved)."""
         if self.optimizer_momentum == "auto":
-            return (self.method in RANDOM_METHODS and self.error_feedback and self.momentum == 0.0
-                    and self.weight_decay == 0.0)
+            return self.error_feedback and self.momentum == 0.0 and self.weight_decay == 0.0
         return self.optimizer_momentum == "sends"
 
     def density_at(self, step: int) -> float:

@@ -59,7 +59,7 @@ _OWNED_OPTIONS = {
     "scope": ("hook", "sparsify", "layer"),
     "aggregation": ("hook", "sparsify", "allreduce"),
     "block_size": ("hook", "sparsify", 16),
-    "density_warmup_steps": ("hook", "sparsify", None),  # None: the hook's default (1000 for random selectors)
+    "density_warmup_steps": ("hook", "sparsify", None),  # None: the hook's default (1000)
     "powersgd_rank": ("hook", "powersgd", 1),
     "period": ("optimizer", "local_adaalter", 8),
     "momentum": ("optimizer", "sgd", 0.9),
@@ -106,8 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None,
                    help="sparsify, random_block: entries per block (default: 16)")
     g.add_argument("--density-warmup-steps", type=int, default=None,
-                   help="sparsify: steps over which the density falls from 1 to --density (default: 1000 for "
-                        "randomk and random_block, 0 for topk)")
+                   help="sparsify: steps over which the density falls from 1 to --density (default: 1000)")
     g.add_argument("--scope", choices=("layer", "bucket", "global"), default=None,
                    help="sparsify: unit that gets its own budget (default: layer)")
     g.add_argument("--aggregation", choices=("allreduce", "allgather"), default=None,

@@ -210,8 +210,9 @@ def test_optimizer_momentum_choices_are_checked():
     with pytest.raises(ValueError, match=r"`optimizer_momentum`='sends' needs `momentum`=0"):
         SparsifyState(optimizer_momentum="sends", momentum=0.9)
     assert SparsifyState(method="random_block").counts_momentum_in_sends
-    assert not SparsifyState(method="topk", aggregation="allgather").counts_momentum_in_sends
+    assert SparsifyState(method="topk", aggregation="allgather").counts_momentum_in_sends
     assert not SparsifyState(method="randomk", error_feedback=False).counts_momentum_in_sends
+    assert not SparsifyState(method="topk", aggregation="allgather", optimizer_momentum="steps").counts_momentum_in_sends
 
 
 def _resume_without_momentum(rank, world, tmp, adam):

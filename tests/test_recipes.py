@@ -76,7 +76,7 @@ def test_defaults_of_owned_options_are_filled_for_their_owner_only():
 @pytest.mark.parametrize("argv, in_sends", [
     (["--hook", "sparsify"], True),  # random_block with error feedback: SGD's momentum counted in sends
     (["--hook", "sparsify", "--method", "randomk", "--aggregation", "allgather"], True),
-    (["--hook", "sparsify", "--method", "topk", "--aggregation", "allgather"], False),
+    (["--hook", "sparsify", "--method", "topk", "--aggregation", "allgather"], True),
     (["--hook", "sparsify", "--no-error-feedback"], False),
     (["--hook", "allreduce"], False),
 ])

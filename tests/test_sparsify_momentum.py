@@ -197,7 +197,8 @@ def test_density_one_with_hook_momentum_equals_momentum_sgd_with_weight_decay():
 
 def test_build_sparsify_sgd_builds_the_users_own_sgd():
     assert SparsifyState(method="random_block").counts_momentum_in_sends
-    assert not SparsifyState(method="topk", aggregation="allgather").counts_momentum_in_sends
+    assert SparsifyState(method="topk", aggregation="allgather").counts_momentum_in_sends
+    assert not SparsifyState(method="randomk", error_feedback=False).counts_momentum_in_sends
 
 
 # ----- mass: sum of what a rank sent + its residual == sum of its gradients + momentum's carry at sends -----

@@ -317,5 +317,5 @@ def test_density_falls_geometrically_after_the_warm_up():
     state = SparsifyState(density=0.01, warmup_steps=10, density_warmup_steps=100)
     assert [state.density_at(s) for s in (0, 9, 10)] == [1.0, 1.0, 1.0]
     assert state.density_at(60) == pytest.approx(0.1) and state.density_at(110) == 0.01
-    assert SparsifyState(method="topk", aggregation="allgather").density_warmup_steps == 0
-    assert SparsifyState(method="randomk").density_warmup_steps == 1000
+    assert SparsifyState(method="topk", aggregation="allgather").density_warmup_steps == 1000
+    assert SparsifyState(method="randomk", density_warmup_steps=0).density_warmup_steps == 0
