@@ -246,12 +246,23 @@ def matrix(results):
     return "\n".join(lines)
 
 
-def report(paths):
-    """Print each results file's command, header and table (the README's tables come from here)."""
+def report(paths, merge=False):
+    """Print each results file's command, header and table (the README's tables come from here).
+
+    ``merge``: one table of all files, a later file's run replacing an
+    earlier one of the same name and seed (a rerun of some rows).
+    """
+    merged = {}
     for path in paths:
         with open(path) as f:
             first, *rest = [json.loads(line) for line in f if line.strip()]
-        print(f"$ {first['command']}\n{first['header']}\n\n{matrix(rest)}\n")
+        if not merge:
+            print(f"$ {first['command']}\n{first['header']}\n\n{matrix(rest)}\n")
+            continue
+        print(f"$ {first['command']}\n{first['header']}")
+        merged.update({(r["name"], r["seed"]): r for r in rest})
+    if merge:
+        print(f"\n{matrix(list(merged.values()))}\n")
 
 
 PARTS = {"headline": headline, "ablations": ablations, "block-sizes": block_sizes, "workers": workers}
@@ -260,7 +271,7 @@ PARTS = {"headline": headline, "ablations": ablations, "block-sizes": block_size
 def main(argv=None):
     args = parse_args(argv)
     if args.report:
-        return report(args.report)
+        return report(args.report, args.merge)
     runs = PARTS[args.part]()
     if args.only:
         runs = [r for r in runs if any(r["name"] == word for word in args.only)]
@@ -297,6 +308,7 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST folder (default: Debian's)")
     p.add_argument("--out", default=None, help="write every run as JSON lines here")
     p.add_argument("--report", nargs="+", default=None, help="print the tables of these results files and stop")
+    p.add_argument("--merge", action="store_true", help="with --report: one table, later files replacing rows")
     args = p.parse_args(argv)
     if args.seeds is None:
         args.seeds = 1 if args.quick or args.part != "headline" else 3
