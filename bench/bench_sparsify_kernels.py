@@ -54,7 +54,7 @@ def _group(mb, density):
 class _Bucket:
     """A flat gradient, its residual and layout, and a SparsifyState bound to a world of one."""
 
-    def __init__(self, mb, density, method, scope, aggregation, into_bucket=False):
+    def __init__(self, mb, density, method, scope, aggregation, into_bucket=False, block_size=16):
         numel = mb * 2**20 // 4
         per_layer = numel // LAYERS
         numel = per_layer * LAYERS
@@ -69,7 +69,7 @@ class _Bucket:
         else:
             self.units = [Unit(0, 0, numel)]
         state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation,
-                              density_warmup_steps=0)  # the steady state
+                              density_warmup_steps=0, block_size=block_size)  # the steady state
         state._group, state._rank, state._world_size, state._checked = None, 0, 1, True
         self.state = state
         self.into_bucket = into_bucket  # write into the zeroed bucket (GPUs, gradient_as_bucket_view=True)
@@ -136,6 +136,19 @@ def test_hook(benchmark, mb, density, config):
     assert torch.isfinite(bucket.residual).all()
     # pytest-benchmark keeps the benchmarked callable until the session ends; release the buffers now,
     # or later rows run beside gigabytes of dead buckets (and measurably slower)
+    vars(bucket).clear()
+
+
+@pytest.mark.parametrize("block_size", [4, 64, 1 << 30], ids=[f"25-0.01-random_block-layer-{b}" for b in
+                                                                ("b4", "b64", "one_block")])
+def test_random_block_sizes(benchmark, block_size):
+    """random_block, layer scope, 25 MB at density 0.01, with other block sizes than the default 16."""
+    benchmark.group = _group(25, 0.01)
+    bucket = _Bucket(25, 0.01, "random_block", "layer", "allreduce", block_size=block_size)
+    bucket.refill()
+    bucket.hook_work()
+    benchmark.extra_info.update(bytes_sent=bucket.state.stats()["bytes_sent"], density=0.01)
+    _run_with_own_floor(benchmark, bucket.hook_work, bucket.refill, bucket.grad.numel())
     vars(bucket).clear()
 
 
