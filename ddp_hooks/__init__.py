@@ -4,8 +4,7 @@ Sparsification with error feedback (Eghlidi & Jaggi, 2020)::
 
     from ddp_hooks import SparsifyState, sparsify_hook
     ddp_model.register_comm_hook(SparsifyState(method="random_block", density=0.01), sparsify_hook)
-    # with momentum SGD, build the pair (momentum and weight decay then run in the hook):
-    state, opt = build_sparsify_sgd(ddp_model, lr=0.1, momentum=0.9, weight_decay=5e-4, density=0.01)
+    # the optimizer stays as it is, momentum SGD included: the hook counts its momentum in sends
 
 Local AdaAlter (Xie, Koyejo, Gupta, Lin, 2019)::
 
