@@ -184,7 +184,8 @@ def test_nesterov_and_dampening_are_refused_with_what_to_do(kwargs, pattern):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9, **kwargs)
     with pytest.raises(ValueError, match=pattern):
         check_optimizer(SparsifyState(method="randomk"), opt)
-    check_optimizer(SparsifyState(method="randomk", optimizer_momentum="steps"), opt)  # as it is: allowed
+    with pytest.warns(UserWarning, match="known to diverge"):  # as it is: allowed, with the known hazard named
+        check_optimizer(SparsifyState(method="randomk", optimizer_momentum="steps"), opt)
 
 
 def _adam(rank, world):

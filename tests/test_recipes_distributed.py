@@ -43,7 +43,7 @@ COMBOS = {
     "powersgd-adagrad": ["--hook", "powersgd", "--optimizer", "adagrad", "--powersgd-rank", "2",
                          "--warmup-steps", "2"],
     "sparsify-topk-allgather": ["--hook", "sparsify", "--method", "topk", "--aggregation", "allgather",
-                                "--density", "0.1", "--scope", "bucket"],
+                                "--density", "0.1", "--scope", "bucket", "--density-warmup-steps", "0"],
     "sparsify-randomk-adagrad": ["--hook", "sparsify", "--method", "randomk", "--density", "0.1",
                                  "--optimizer", "adagrad", "--warmup-steps", "1", "--density-warmup-steps", "0"],
     "sparsify-block-global": ["--hook", "sparsify", "--method", "random_block", "--density", "0.1",

@@ -40,7 +40,8 @@ MOMENTUM_COMBOS = [("random_block", "layer", "allreduce"), ("randomk", "global",
 
 def _train_with_bad_step(rank, method, scope, aggregation, skip, value, steps=5, hook=None):
     model = DDP(_model(), bucket_cap_mb=0.002)
-    state = SparsifyState(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=5, **(hook or {}))
+    state = SparsifyState(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=5,
+                          density_warmup_steps=0, **(hook or {}))
     model.register_comm_hook(state, sparsify_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     seen = {}
@@ -104,7 +105,7 @@ def _scaled_run(rank, method, scope, aggregation, in_hook, mode, steps=8):
     """mode: "reference" (no scaler, inf steps skipped), "attached" (scaler given to the state), "unattached"."""
     model = DDP(_model(), bucket_cap_mb=0.002)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
-    state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1,
+    state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1, density_warmup_steps=0,
                           grad_scaler=scaler if mode == "attached" else None, **(IN_HOOK if in_hook else {}))
     model.register_comm_hook(state, sparsify_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
