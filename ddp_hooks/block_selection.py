@@ -127,16 +127,24 @@ def random_blocks(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int
     before -= before.index_select(0, plan.first_draw).index_select(0, plan.unit)  # ... of this unit only
     take = (plan.ks.index_select(0, plan.unit) - before).clamp_(min=0)
     take = torch.minimum(take, length)
-    first = local * b  # each block's first rotated position
-    start_of = torch.cumsum(take, 0) - take
-    rotated = torch.repeat_interleave(first - start_of, take, output_size=plan.total)
-    rotated += torch.arange(plan.total, device=rotated.device)
-    # 1. turn the ring: (phase + y) mod n, then to absolute positions
+    # 1. turn the ring: each block starts at (phase + j b) mod n of its unit, and runs on for `take`
+    #    entries, wrapping once if it crosses the end of the unit
     phase = uniform_below(derive_seeds(seed, step, plan.keys, rank), plan.size)
     if plan.any_whole:
         phase.masked_fill_(plan.whole, 0)
-    unit_of = torch.repeat_interleave(plan.unit, take, output_size=plan.total)
-    size = plan.size.index_select(0, unit_of)
-    rotated += phase.index_select(0, unit_of)
-    rotated -= size * (rotated >= size)
-    return rotated.add_(plan.offset.index_select(0, unit_of))
+    start = local * b + phase.index_select(0, plan.unit)
+    start -= n * (start >= n)
+    first = start + plan.offset.index_select(0, plan.unit)  # absolute position of each block's first entry
+    wraps = (start + take > n).long()
+    last = first + take - 1 - n * wraps  # of a block that takes nothing: first - 1, so that the jumps telescope
+    # The positions are a running sum of steps: 1 inside a block, a jump at each block's first entry, 1 - n
+    # where a block wraps. One cumsum over the k positions, instead of a gather per position; one spare
+    # entry at the end receives the jumps of blocks that take nothing after the last entry.
+    at = torch.cumsum(take, 0) - take  # each block's first index in the output
+    previous_last = torch.cat([last.new_full((1,), -1), last[:-1]])
+    steps = torch.ones(plan.total + 1, dtype=torch.int64, device=first.device)
+    steps.index_add_(0, at, first - previous_last - 1)
+    wrap_at = at + torch.minimum(n - start, take.clamp(min=1) - 1)  # inside the block even without a wrap
+    steps.index_add_(0, wrap_at, -n * wraps)
+    steps[0] -= 1  # the sum starts from -1 + 1 = the first block's first position
+    return torch.cumsum(steps[:-1], 0)
