@@ -71,10 +71,6 @@ class LastUpdates:
         """Record the bucket's update of this step: distinct positions and their values."""
         self._by_bucket[bucket_index] = (layout, positions, values)
 
-    def drop(self, bucket_index: int) -> None:
-        """Forget a bucket's update (its step sent nothing to remember)."""
-        self._by_bucket.pop(bucket_index, None)
-
     def drop_buckets_after(self, last_index: int) -> None:
         """Give the entries of bucket indices past the step's last bucket back to their parameters."""
         for index in [i for i in self._by_bucket if i > last_index]:

@@ -232,7 +232,7 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
                  and grad.dtype == torch.float32)
     if cancelled:
         grad.scatter_(0, positions, before.neg())
-    velocity_before = None
+    velocity_before = owner = None  # owner: the parameter of each position, found once if needed
     if velocity is not None:  # momentum in sends: w = m w + p where this rank sends
         velocity_before = velocity.index_select(0, positions)
         scaled = velocity_before if state._scale is None else velocity_before * state._scale
@@ -245,7 +245,9 @@ def _launch(state: SparsifyState, grad: torch.Tensor, residual: Optional[torch.T
     if residual is not None:
         idle = marks == 0
         if marks.device.type != "cpu" or idle.any():  # (on CPU the host may look: usually no parameter is idle)
-            hold = idle[torch.searchsorted(starts, positions, right=True) - 1]
+            if owner is None:
+                owner = torch.searchsorted(starts, positions, right=True) - 1
+            hold = idle[owner]
             values.masked_fill_(hold, 0.0)
     sent_values = None if velocity is None else values.clone()  # `wire` may be `values` itself, divided below
     wire = values.to(grad.dtype)

@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 SCOPES = ("layer", "bucket", "global")
 AGGREGATIONS = ("allreduce", "allgather")
 OPTIMIZER_MOMENTUM = ("auto", "sends", "steps")
+# Checkpoint codes of optimizer_momentum: explicit and never reused, so reordering the choices cannot
+# change what a saved state means.
+_OPTIMIZER_MOMENTUM_CODES = {"auto": 0, "sends": 1, "steps": 2}
+_OPTIMIZER_MOMENTUM_NAMES = {code: name for name, code in _OPTIMIZER_MOMENTUM_CODES.items()}
 #: Selectors whose coordinates leave at random times, regardless of their size.
 RANDOM_METHODS = ("randomk", "random_block")
 #: ``density_warmup_steps`` when none is given (measured: README, "Convergence on real images").
@@ -315,7 +319,7 @@ class SparsifyState:
             "momentum_bits": _float_bits(self.momentum),
             "weight_decay_bits": _float_bits(self.weight_decay),
             "block_size": self.block_size,
-            "optimizer_momentum": OPTIMIZER_MOMENTUM.index(self.optimizer_momentum),
+            "optimizer_momentum": _OPTIMIZER_MOMENTUM_CODES[self.optimizer_momentum],
             "density_warmup_steps": self.density_warmup_steps,
         }
 
@@ -326,7 +330,7 @@ class SparsifyState:
                 f"seed={ints['seed']}, momentum={_bits_float(ints['momentum_bits']):g}, "
                 f"weight_decay={_bits_float(ints['weight_decay_bits']):g}, "
                 f"block_size={ints.get('block_size', '(not saved)')}, optimizer_momentum="
-                f"{OPTIMIZER_MOMENTUM[ints['optimizer_momentum']] if 'optimizer_momentum' in ints else '(not saved)'!r}, "
+                f"{_OPTIMIZER_MOMENTUM_NAMES.get(ints.get('optimizer_momentum'), '(not saved)')!r}, "
                 f"density_warmup_steps={ints.get('density_warmup_steps', '(not saved)')}")
 
     # ----- what the options imply -----
@@ -386,6 +390,7 @@ class SparsifyState:
         changes it between steps is followed; other optimizers count 0 (they
         get the averaged gradient as it is).
         """
+        ran_velocity = self.runs_velocity
         alive, momenta = [], {}
         for ref in self._optimizers:
             optimizer = ref()
@@ -401,8 +406,8 @@ class SparsifyState:
                         momenta[key] = m
         self._optimizers = alive
         self._momenta = momenta
-        if not self.runs_velocity:  # no momentum to count: drop the velocity (it restarts at 0 if one comes)
-            self.velocities.load({})
+        if ran_velocity and not self.runs_velocity:  # no momentum to count any more: drop the velocity
+            self.velocities.load({})  # (it restarts at 0 if a momentum comes back)
 
     # ----- binding to the process group, at the first hook call -----
     def _bind(self, bucket: dist.GradBucket) -> None:
