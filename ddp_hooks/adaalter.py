@@ -20,16 +20,35 @@ Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
 
        x_i = mean_j x_j ;  B2_t = B2_t0 + mean_j A_j ;  A_i = 0
 
+   With an outer optimizer (``outer_lr``, ``outer_momentum``; DiLoCo,
+   arXiv 2311.08105), ``mean_j x_j`` then goes through
+   :class:`~ddp_hooks.outer_sgd.OuterSGD` from the parameters of the last
+   synchronisation; the accumulators are averaged as above.
+
 Conventions:
 
 * ``B2`` (``state["sum_sq"]``) starts at 0; the initial accumulation ``b_0^2``
   of the paper's bound belongs in ``eps``: the first denominator is
   ``sqrt(eps^2)``. The authors' ``--eps 1`` ("initial history accumulation")
   is ``eps=1.0`` here.
-* ``(t - t0) * eps^2`` is the paper's lazy correction: it stands for the
-  ``eps^2`` a synchronous run would have added per step. With
-  ``lazy_correction=False`` the denominator is ``sqrt(B2_t0 + eps^2)`` at every
-  step, as in the authors' MXNet code (``g / sqrt(history + eps)``).
+* The lazy correction stands in the denominator for the squared gradients
+  that a synchronous run would have added since ``t0`` and a local step
+  cannot know (``lazy_correction``):
+
+  - ``"paper"`` (or ``True``): ``sqrt(B2_t0 + (t - t0) * eps^2)``, the paper's
+    placeholder ``eps^2`` per step;
+  - ``"constant"`` (or ``False``): ``sqrt(B2_t0 + eps^2)`` at every step, as
+    in the authors' MXNet code (``g / sqrt(history + eps)``);
+  - ``"rate"``: ``sqrt(B2_t0 + eps^2 + (t - t0 - 1) * r)``, with ``r`` (per
+    coordinate, ``state["sq_rate"]``) the mean growth of ``B2`` per step over
+    the last round, ``mean_j A_j / H`` (the last warm-up step's ``g_t^2``
+    before the first average): the placeholder is what the accumulator
+    itself has been gaining, not a fixed ``eps^2``, which can be far larger
+    or smaller than a model's squared gradients. Costs one more tensor the
+    size of the parameters.
+
+  All three equal synchronous AdaAlter at ``t - t0 = 1`` (so in warm-up and
+  with ``H = 1``).
 * ``A_i`` (``state["local_sq"]``) is the rank's own sum of squared gradients
   since ``t0``. With ``H = 1`` the update of ``x`` equals synchronous AdaAlter's,
   but ``B2`` grows by ``mean_j g_j^2``, not ``(mean_j g_j)^2``.
@@ -58,14 +77,26 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._validate import check_bool, check_float, check_process_group
+from ._validate import check_choice, check_float, check_process_group
 from .averager import AdaAlterAverager
 from .local_sgd import LocalSGDState, local_sgd_hook
-from .schedule import LocalAdaAlterSchedule, _register_owner, driver_settings
+from .outer_sgd import OuterSGD
+from .schedule import LAZY_CORRECTIONS, LocalAdaAlterSchedule, _register_owner, driver_settings
 
 __all__ = ["LocalAdaAlter", "build_local_adaalter"]
 
 logger = logging.getLogger(__name__)
+
+
+def _check_lazy_correction(value) -> str:
+    """The rule's name; ``True`` and ``False`` (the option's first values) name the paper's and the constant rule."""
+    if isinstance(value, bool):
+        return "paper" if value else "constant"
+    if not isinstance(value, str):
+        raise TypeError(f"`lazy_correction` must be one of {LAZY_CORRECTIONS} or a bool, got {value!r} of type "
+                        f"{type(value).__name__}")
+    return check_choice("lazy_correction", value, LAZY_CORRECTIONS,
+                        "the placeholder in the denominator for the squares a local step cannot know")
 
 
 def _check_positive(name: str, value, reason: str) -> float:
@@ -88,8 +119,15 @@ class LocalAdaAlter(torch.optim.Optimizer):
         period (int): local steps between averagings, >= 1 (the paper's ``H``).
         warmup_steps (int): synchronous steps first, >= 0; must equal the hook's.
         process_group: the group to average in; ``None`` is the default group.
-        lazy_correction (bool): ``True`` (default): the paper's
-            ``(t - t0) * eps^2``; ``False``: the authors' constant ``eps^2``.
+        lazy_correction (str): ``"paper"`` (default; also ``True``):
+            ``(t - t0) * eps^2``; ``"constant"`` (also ``False``): the
+            authors' constant ``eps^2``; ``"rate"``: the accumulator's own
+            recent growth per step (module docstring).
+        outer_lr (float): > 0; the outer optimizer's learning rate (1, the
+            default, with ``outer_momentum=0`` is plain averaging).
+        outer_momentum (float): in [0, 1); the outer optimizer's momentum
+            (0 by default; DiLoCo: ``outer_lr=0.7, outer_momentum=0.9``).
+        outer_nesterov (bool): Nesterov outer momentum (default) or heavy ball.
         hook_state (LocalSGDState): the hook state to share the schedule with
             (its warm-up must match); without it the hook finds this optimizer
             through the parameters at its first call.
@@ -120,14 +158,18 @@ class LocalAdaAlter(torch.optim.Optimizer):
         period: int = 4,
         warmup_steps: int = 0,
         process_group: Optional[dist.ProcessGroup] = None,
-        lazy_correction: bool = True,
+        lazy_correction="paper",
         hook_state: Optional[LocalSGDState] = None,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        outer_nesterov: bool = True,
     ) -> None:
         _check_positive("lr", lr, "it is the learning rate")
         _check_positive("eps", eps, "eps^2 is the initial accumulation; 0 would divide by zero at the first step")
         schedule = LocalAdaAlterSchedule(warmup_steps=warmup_steps, period=period)
         check_process_group("process_group", process_group)
-        check_bool("lazy_correction", lazy_correction, "True: (t - t0) * eps^2, False: constant eps^2")
+        lazy_correction = _check_lazy_correction(lazy_correction)
+        outer = OuterSGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_nesterov)
         if hook_state is not None and not isinstance(hook_state, LocalSGDState):
             raise TypeError(f"`hook_state` must be None or a LocalSGDState, got {type(hook_state).__name__}")
         super().__init__(params, dict(lr=float(lr), eps=float(eps), lazy_correction=lazy_correction))
@@ -135,15 +177,23 @@ class LocalAdaAlter(torch.optim.Optimizer):
             hook_state.attach(schedule)  # raises on a warm-up mismatch
         self.schedule = schedule
         schedule.set_driver(self._settings)
-        self.averager = AdaAlterAverager(process_group=process_group, schedule=schedule)
+        self.averager = AdaAlterAverager(process_group=process_group, schedule=schedule,
+                                         outer=None if outer.is_plain_average else outer)
         self.process_group = process_group
         self.amp_agreements = 0  # one-float allreduces issued to agree on skipping
         _register_owner(self._params(), schedule)
-        logger.info("LocalAdaAlter: lr=%s eps=%s period=%s warmup_steps=%s lazy_correction=%s",
-                    lr, eps, period, warmup_steps, lazy_correction)
+        logger.info("LocalAdaAlter: lr=%s eps=%s period=%s warmup_steps=%s lazy_correction=%s outer_lr=%s "
+                    "outer_momentum=%s outer_nesterov=%s", lr, eps, period, warmup_steps, lazy_correction,
+                    outer_lr, outer_momentum, outer_nesterov)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            group["lazy_correction"] = _check_lazy_correction(group["lazy_correction"])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         if any(p.dtype == torch.float16 for p in self.param_groups[-1]["params"]):
             self.param_groups.pop()
             raise TypeError(
@@ -173,7 +223,10 @@ class LocalAdaAlter(torch.optim.Optimizer):
         return dist.get_rank(self.process_group)
 
     def _settings(self) -> Dict[str, Any]:
-        return driver_settings(self.param_groups)
+        outer = self.averager.outer
+        return {**driver_settings(self.param_groups),
+                "outer_lr": outer.lr if outer else 1.0, "outer_momentum": outer.momentum if outer else 0.0,
+                "outer_nesterov": bool(outer.nesterov) if outer else True}
 
     def _check_ranks(self) -> None:
         """Before the first step's collectives: all ranks built alike? (Done by the hook when it ran first.)"""
@@ -206,9 +259,12 @@ class LocalAdaAlter(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         local_steps = sched.local_steps_next()
+        outer = self.averager.outer
+        if outer is not None and not warmup and not outer.has_anchor and sched.step == sched.last_sync:
+            outer.set_anchor(self._params())  # the round starts from parameters all ranks share
         for group in self.param_groups:
-            lr, eps2 = group["lr"], group["eps"] ** 2
-            offset = (local_steps if group["lazy_correction"] else 1) * eps2
+            lr, eps2, rule = group["lr"], group["eps"] ** 2, group["lazy_correction"]
+            offset = (local_steps if rule == "paper" else 1) * eps2
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -216,12 +272,24 @@ class LocalAdaAlter(torch.optim.Optimizer):
                     raise RuntimeError("LocalAdaAlter does not support sparse gradients")
                 g = p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.dtype)
                 st = self.state[p]
-                denom = st["sum_sq"].add(offset).sqrt_()
+                if rule == "rate" and local_steps > 1:
+                    denom = torch.add(st["sum_sq"], self._sq_rate(p), alpha=local_steps - 1).add_(eps2).sqrt_()
+                else:
+                    denom = st["sum_sq"].add(offset).sqrt_()
                 p.addcdiv_(g, denom, value=-lr)
+                if warmup and rule == "rate":
+                    torch.mul(g, g, out=self._sq_rate(p))  # B2's growth at this step
                 (st["sum_sq"] if warmup else st["local_sq"]).addcmul_(g, g)
         if sched.advance():
             self._synchronise()
         return loss
+
+    def _sq_rate(self, p: torch.Tensor) -> torch.Tensor:
+        """``r`` of the ``"rate"`` correction (made at first use, so states saved under another rule load)."""
+        st = self.state[p]
+        if "sq_rate" not in st:
+            st["sq_rate"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st["sq_rate"]
 
     def _check_loadable(self, state_dict: Dict[str, Any]) -> None:
         sched = state_dict["schedule"]
@@ -248,9 +316,22 @@ class LocalAdaAlter(torch.optim.Optimizer):
         params = self._params()
         local = [self.state[p]["local_sq"] for p in params]
         self.averager.average_(params + local)
-        for p, a in zip(params, local):
-            self.state[p]["sum_sq"].add_(a)
-            a.zero_()
+        outer = self.averager.outer
+        if outer is not None:
+            # Without an anchor (a state saved before the outer optimizer, loaded mid-round) this round
+            # stays a plain average, and the next one starts from it.
+            if outer.has_anchor:
+                outer.step_(params)
+            else:
+                outer.set_anchor(params)
+        round_steps = self.schedule.period
+        for group in self.param_groups:
+            for p in group["params"]:
+                a = self.state[p]["local_sq"]
+                if group["lazy_correction"] == "rate":
+                    torch.div(a, round_steps, out=self._sq_rate(p))
+                self.state[p]["sum_sq"].add_(a)
+                a.zero_()
 
     def state_dict(self) -> Dict[str, Any]:
         """Accumulators, hyperparameters, the schedule, the counters ``amp_agreements``, ``averagings``,
@@ -260,6 +341,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
         sd["amp_agreements"] = self.amp_agreements
         sd["averagings"] = self.averager.averagings
         sd["world_size"], sd["rank"] = self._world_size(), self._rank()
+        if self.averager.outer is not None:
+            sd["outer"] = self.averager.outer.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -284,10 +367,32 @@ class LocalAdaAlter(torch.optim.Optimizer):
         schedule = state_dict.pop("schedule")
         # Validate on a copy first, so that a refused state changes nothing.
         LocalAdaAlterSchedule(self.schedule.warmup_steps, self.schedule.period).load_state_dict(schedule)
+        outer_state = state_dict.pop("outer", None)
+        outer = self.averager.outer
+        if outer_state is not None and outer is None:
+            raise ValueError(
+                f"this LocalAdaAlter state was saved with an outer optimizer (outer_lr={outer_state['lr']}, "
+                f"outer_momentum={outer_state['momentum']}) and this optimizer has none; build it with the saved "
+                "outer_lr and outer_momentum to resume"
+            )
+        if outer is not None:
+            if outer_state is None:
+                logger.warning("LocalAdaAlter: the state holds no outer optimizer (saved without one); the outer "
+                               "optimizer starts at the next synchronisation")
+            OuterSGD(outer.lr, outer.momentum, outer.nesterov).load_state_dict(  # validates, changes nothing
+                outer_state or {"lr": outer.lr, "momentum": outer.momentum, "nesterov": outer.nesterov,
+                                "anchors": [], "velocities": []}, self._params())
         amp_agreements = int(state_dict.pop("amp_agreements", 0))
         averagings = int(state_dict.pop("averagings", 0))
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # states saved before the rules had names hold a bool
+            group["lazy_correction"] = _check_lazy_correction(group["lazy_correction"])
         self.schedule.load_state_dict(schedule)
+        if outer is not None:
+            if outer_state is None:
+                outer.anchors = outer.velocities = None
+            else:
+                outer.load_state_dict(outer_state, self._params())
         self.amp_agreements, self.averager.averagings = amp_agreements, averagings
 
 
@@ -298,7 +403,10 @@ def build_local_adaalter(
     period: int = 4,
     warmup_steps: int = 0,
     process_group: Optional[dist.ProcessGroup] = None,
-    lazy_correction: bool = True,
+    lazy_correction="paper",
+    outer_lr: float = 1.0,
+    outer_momentum: float = 0.0,
+    outer_nesterov: bool = True,
 ) -> Tuple[LocalSGDState, LocalAdaAlter]:
     """Build the hook state and the optimizer from one set of numbers; register the hook.
 
@@ -322,6 +430,7 @@ def build_local_adaalter(
     _check_ddp_model(ddp_model)
     hook_state = LocalSGDState(process_group=process_group, warmup_steps=warmup_steps)
     opt = LocalAdaAlter(ddp_model.parameters(), lr=lr, eps=eps, period=period, warmup_steps=warmup_steps,
-                        process_group=process_group, lazy_correction=lazy_correction, hook_state=hook_state)
+                        process_group=process_group, lazy_correction=lazy_correction, hook_state=hook_state,
+                        outer_lr=outer_lr, outer_momentum=outer_momentum, outer_nesterov=outer_nesterov)
     ddp_model.register_comm_hook(hook_state, local_sgd_hook)
     return hook_state, opt

@@ -12,6 +12,11 @@ back in place.
 Every rank must pass the same list of tensors in the same order, whether or
 not a parameter received a gradient this step: the collective's size then
 never depends on which parameters were used, so it cannot deadlock.
+
+With an outer optimizer (:class:`~ddp_hooks.outer_sgd.OuterSGD`, DiLoCo's and
+SlowMo's), the averaged parameters are then replaced by an outer SGD step
+from the parameters of the last synchronisation; the accumulators are
+averaged as before.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ._validate import check_process_group
+from .outer_sgd import OuterSGD
 from .schedule import LocalAdaAlterSchedule
 
 __all__ = ["AdaAlterAverager"]
@@ -50,6 +56,14 @@ class AdaAlterAverager:
         schedule (LocalAdaAlterSchedule): share an existing schedule instead
             (then ``period`` and ``warmup_steps`` must be left at their defaults
             or equal the schedule's).
+        outer (OuterSGD): an outer optimizer for the averaged parameters, or
+            ``None`` (plain averaging). :meth:`average_parameters` applies
+            it at each averaging, from the parameters it saw at the end of
+            warm-up or at the last averaging (the warm-up must keep the ranks
+            equal, as ``local_sgd_hook`` or PyTorch's ``post_localSGD_hook``
+            do by averaging gradients); with ``warmup_steps=0`` it has not
+            seen the starting point, so the first round is averaged plainly.
+            ``LocalAdaAlter`` applies it itself (it sees every step).
 
     Two uses:
 
@@ -80,6 +94,7 @@ class AdaAlterAverager:
         warmup_steps: int = 0,
         process_group: Optional[dist.ProcessGroup] = None,
         schedule: Optional[LocalAdaAlterSchedule] = None,
+        outer: Optional[OuterSGD] = None,
     ) -> None:
         own = LocalAdaAlterSchedule(warmup_steps=warmup_steps, period=period)  # validates both
         check_process_group("process_group", process_group)
@@ -92,8 +107,11 @@ class AdaAlterAverager:
                 f"`period`={period}, `warmup_steps`={warmup_steps} differ from the given schedule's "
                 f"({schedule.period}, {schedule.warmup_steps}); pass only the schedule"
             )
+        if outer is not None and not isinstance(outer, OuterSGD):
+            raise TypeError(f"`outer` must be None or an OuterSGD, got {type(outer).__name__}")
         self.schedule = schedule
         self.process_group = process_group
+        self.outer = outer
         self.averagings = 0
 
     def _world_size(self) -> int:
@@ -142,13 +160,30 @@ class AdaAlterAverager:
         due = self.schedule.advance()
         if due:
             self.average_(params)
+        outer = self.outer
+        if outer is not None and not outer.is_plain_average:
+            if due and outer.has_anchor:
+                outer.step_(params)
+            elif due or self.schedule.step == self.schedule.warmup_steps:  # synchronised, the anchor is missing
+                outer.set_anchor(params)
         return due
 
     def state_dict(self) -> Dict[str, object]:
-        """The schedule and the counter, as ints."""
-        return {"schedule": self.schedule.state_dict(), "averagings": self.averagings}
+        """The schedule, the counter and the outer optimizer's state, if any."""
+        state = {"schedule": self.schedule.state_dict(), "averagings": self.averagings}
+        if self.outer is not None:
+            state["outer"] = self.outer.state_dict()
+        return state
 
-    def load_state_dict(self, state: Dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
+    def load_state_dict(self, state: Dict, params: Optional[Iterable[Union[torch.Tensor, dict]]] = None) -> None:
+        """Restore what :meth:`state_dict` returned (with an outer optimizer: pass the ``params`` averaged)."""
+        if self.outer is not None:
+            if "outer" not in state:
+                raise ValueError("this averager has an outer optimizer but the state has none: it was saved "
+                                 "without one; build the averager as it was saved to resume")
+            if params is None:
+                raise ValueError("an averager with an outer optimizer needs `params` to load its state "
+                                 "(the anchors take their shapes and devices)")
+            self.outer.load_state_dict(state["outer"], _flatten_params(params))
         self.schedule.load_state_dict(state["schedule"])
         self.averagings = int(state["averagings"])

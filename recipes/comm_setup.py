@@ -234,9 +234,11 @@ def build_optimizer(args, params, exchange: Optional[Exchange] = None,
 
         # Not ddp_hooks.build_local_adaalter: it registers the hook at once, and the recipe
         # registers only after loading a checkpoint and settling DDP's buckets.
+        rule = {} if args.lazy_correction is None else {"lazy_correction": args.lazy_correction}
         opt = LocalAdaAlter(params, lr=args.lr, eps=args.eps, period=args.period,
                             warmup_steps=hook_warmup_steps(args), process_group=process_group,
-                            hook_state=exchange.state if exchange is not None else None)
+                            hook_state=exchange.state if exchange is not None else None,
+                            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, **rule)
         if exchange is not None:
             exchange.count_averaging(opt)
         return opt

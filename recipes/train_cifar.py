@@ -62,6 +62,9 @@ _OWNED_OPTIONS = {
     "density_warmup_steps": ("hook", "sparsify", None),  # None: the hook's default (1000)
     "powersgd_rank": ("hook", "powersgd", 1),
     "period": ("optimizer", "local_adaalter", 8),
+    "lazy_correction": ("optimizer", "local_adaalter", None),  # None: the optimizer's default
+    "outer_lr": ("optimizer", "local_adaalter", 1.0),
+    "outer_momentum": ("optimizer", "local_adaalter", 0.0),
     "momentum": ("optimizer", "sgd", 0.9),
 }
 _ADAGRAD_EPS = {"adagrad": 1e-10, "local_adaalter": 1.0}
@@ -123,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimizer (default: sgd)")
     g.add_argument("--period", type=int, default=None,
                    help="local_adaalter: steps between model averagings (default: 8)")
+    g.add_argument("--lazy-correction", choices=("paper", "constant", "rate"), default=None,
+                   help="local_adaalter: the denominator's placeholder during local steps (default: the "
+                        "optimizer's, see README)")
+    g.add_argument("--outer-lr", type=float, default=None,
+                   help="local_adaalter: outer optimizer's learning rate at each averaging (default: 1, with "
+                        "--outer-momentum 0 plain averaging; DiLoCo: 0.7)")
+    g.add_argument("--outer-momentum", type=float, default=None,
+                   help="local_adaalter: outer optimizer's Nesterov momentum (default: 0; DiLoCo: 0.9)")
     g.add_argument("--epochs", type=int, default=2, help="epochs (default: 2)")
     g.add_argument("--stop-after", type=int, default=None,
                    help="end after this many epochs in all, keeping the schedule of --epochs, to split one run "

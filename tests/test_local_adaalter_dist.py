@@ -49,12 +49,20 @@ def _train(ddp, opt, rank, iters, scaler=None, inf_at=(), skip=()):
         opt.zero_grad(set_to_none=True)
 
 
-def _simulate(world, steps, period, warmup, lazy=True):
-    """Algorithm 2 of arXiv 1911.09030 for `world` workers in one process; returns each worker's params."""
+def _simulate(world, steps, period, warmup, lazy=True, outer=None):
+    """Algorithm 2 of arXiv 1911.09030 for `world` workers in one process; returns each worker's params.
+
+    ``lazy``: the correction rule (True/"paper", False/"constant", "rate"); ``outer``: ``(lr, momentum,
+    nesterov)`` of an outer SGD applied to each average from the parameters of the last synchronisation.
+    """
+    rule = {True: "paper", False: "constant"}.get(lazy, lazy)
     models = [_model() for _ in range(world)]
     xs = [[p.detach().clone() for p in m.parameters()] for m in models]
     b2 = [torch.zeros_like(p) for p in xs[0]]
+    rate = [torch.zeros_like(p) for p in xs[0]]  # the "rate" rule's r: B2's last growth per step
     acc = [[torch.zeros_like(p) for p in xs[0]] for _ in range(world)]
+    anchor = None if outer is None else [x.clone() for x in xs[0]]  # set again when warm-up ends
+    velocity = [torch.zeros_like(p) for p in xs[0]]
     t0 = 0
     for t in range(1, steps + 1):
         gs = [_grads(models[i], i, t - 1) for i in range(world)]
@@ -63,15 +71,30 @@ def _simulate(world, steps, period, warmup, lazy=True):
             for i in range(world):
                 xs[i] = [x - LR * gk / torch.sqrt(b + EPS ** 2) for x, gk, b in zip(xs[i], g, b2)]
             b2 = [b + gk * gk for b, gk in zip(b2, g)]
+            rate = [gk * gk for gk in g]
             t0 = t
+            if anchor is not None:
+                anchor = [x.clone() for x in xs[0]]
         else:
-            c = (t - t0) if lazy else 1
+            if rule == "rate":
+                denom = [b + EPS ** 2 + (t - t0 - 1) * r for b, r in zip(b2, rate)]
+            else:
+                denom = [b + ((t - t0) if rule == "paper" else 1) * EPS ** 2 for b in b2]
             for i in range(world):
-                xs[i] = [x - LR * gk / torch.sqrt(b + c * EPS ** 2) for x, gk, b in zip(xs[i], gs[i], b2)]
+                xs[i] = [x - LR * gk / torch.sqrt(d) for x, gk, d in zip(xs[i], gs[i], denom)]
                 acc[i] = [a + gk * gk for a, gk in zip(acc[i], gs[i])]
             if t - t0 == period:
                 mean_x = [sum(x[k] for x in xs) / world for k in range(len(b2))]
-                b2 = [b + sum(a[k] for a in acc) / world for k, b in enumerate(b2)]
+                if outer is not None:
+                    olr, om, nesterov = outer
+                    deltas = [a - m for a, m in zip(anchor, mean_x)]
+                    velocity = [om * v + d for v, d in zip(velocity, deltas)]
+                    steps_ = [d + om * v for d, v in zip(deltas, velocity)] if nesterov else velocity
+                    mean_x = [a - olr * u for a, u in zip(anchor, steps_)]
+                    anchor = [m.clone() for m in mean_x]
+                mean_acc = [sum(a[k] for a in acc) / world for k in range(len(b2))]
+                rate = [m / period for m in mean_acc]
+                b2 = [b + m for b, m in zip(b2, mean_acc)]
                 xs = [[m.clone() for m in mean_x] for _ in range(world)]
                 acc = [[torch.zeros_like(p) for p in b2] for _ in range(world)]
                 t0 = t
@@ -100,22 +123,28 @@ def _sync_adaalter_period_1(world, steps):
     return x, b2_mean_sq, b2_sq_mean
 
 
-# (period, warmup, steps, lazy, built separately?)
-CONFIGS = [(1, 0, 6, True, False), (3, 2, 8, True, True), (2, 1, 6, False, False)]
+# (period, warmup, steps, lazy correction, built separately?, outer (lr, momentum, nesterov) or None)
+CONFIGS = [(1, 0, 6, True, False, None), (3, 2, 8, True, True, None), (2, 1, 6, False, False, None),
+           (3, 1, 10, "rate", False, None), (2, 2, 9, "rate", True, (0.7, 0.9, True)),
+           (3, 0, 9, "paper", False, (0.5, 0.5, False))]
+
+
+def _outer_kwargs(outer):
+    return {} if outer is None else dict(outer_lr=outer[0], outer_momentum=outer[1], outer_nesterov=outer[2])
 
 
 def _train_configs(rank, world_size, configs):
     out = []
-    for period, warmup, steps, lazy, separate in configs:
+    for period, warmup, steps, lazy, separate, outer in configs:
         ddp = DDP(_model())
         if separate:  # the API other code uses: built apart, linked through the parameters
             hook_state = LocalSGDState(process_group=None, warmup_steps=warmup)
             ddp.register_comm_hook(hook_state, local_sgd_hook)
             opt = LocalAdaAlter(ddp.parameters(), lr=LR, eps=EPS, period=period, warmup_steps=warmup,
-                                lazy_correction=lazy)
+                                lazy_correction=lazy, **_outer_kwargs(outer))
         else:
             hook_state, opt = build_local_adaalter(ddp, lr=LR, eps=EPS, period=period, warmup_steps=warmup,
-                                                   lazy_correction=lazy)
+                                                   lazy_correction=lazy, **_outer_kwargs(outer))
         _train(ddp, opt, rank, range(steps))
         if opt.schedule.last_sync == steps:
             assert_replicas_equal(ddp)
@@ -127,8 +156,8 @@ def _train_configs(rank, world_size, configs):
 
 
 def _check_against_simulation(results, world, configs):
-    for c, (period, warmup, steps, lazy, _) in enumerate(configs):
-        sim = _simulate(world, steps, period, warmup, lazy)
+    for c, (period, warmup, steps, lazy, _, outer) in enumerate(configs):
+        sim = _simulate(world, steps, period, warmup, lazy, outer)
         for rank in range(world):
             got = results[rank][c]
             assert got["linked"] and got["allreduce_calls"] == warmup  # one bucket per warm-up step, none after
@@ -234,25 +263,26 @@ def test_two_ranks_simulation_period_1_grad_scaler_skips_and_unused_params():
         torch.testing.assert_close(unused["sum_sq"], torch.full((3,), 1.0))  # mean of A = (2 + 0) / 2
 
 
-# Resume: (period, warmup, steps before the checkpoint, steps after)
-RESUME = [(4, 3, 5, 5), (2, 4, 2, 6)]
+# Resume: (period, warmup, steps before the checkpoint, steps after, options); checkpoints mid-round
+RESUME = [(4, 3, 5, 5, {}), (2, 4, 2, 6, {}),
+          (3, 1, 6, 7, dict(lazy_correction="rate", outer_lr=0.7, outer_momentum=0.9))]
 
 
-def _build(period, warmup, seed=0):
+def _build(period, warmup, seed=0, **options):
     ddp = DDP(_model(seed))
     hook_state = LocalSGDState(warmup_steps=warmup)
     ddp.register_comm_hook(hook_state, local_sgd_hook)
-    opt = LocalAdaAlter(ddp.parameters(), lr=LR, eps=EPS, period=period, warmup_steps=warmup)
+    opt = LocalAdaAlter(ddp.parameters(), lr=LR, eps=EPS, period=period, warmup_steps=warmup, **options)
     return ddp, hook_state, opt
 
 
 def _resume_first(rank, world_size, folder):
     full = []
-    for c, (period, warmup, n1, n2) in enumerate(RESUME):
-        ddp, _, opt = _build(period, warmup)
+    for c, (period, warmup, n1, n2, options) in enumerate(RESUME):
+        ddp, _, opt = _build(period, warmup, **options)
         _train(ddp, opt, rank, range(n1 + n2))
         full.append([p.detach().clone() for p in ddp.parameters()])
-        ddp, hook_state, opt = _build(period, warmup)
+        ddp, hook_state, opt = _build(period, warmup, **options)
         _train(ddp, opt, rank, range(n1))
         torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "hook": hook_state.state_dict()},
                    os.path.join(folder, f"c{c}_rank{rank}.pt"))
@@ -261,9 +291,9 @@ def _resume_first(rank, world_size, folder):
 
 def _resume_second(rank, world_size, folder):
     out = []
-    for c, (period, warmup, n1, n2) in enumerate(RESUME):
+    for c, (period, warmup, n1, n2, options) in enumerate(RESUME):
         ckpt = torch.load(os.path.join(folder, f"c{c}_rank{rank}.pt"), weights_only=True)
-        ddp, hook_state, opt = _build(period, warmup, seed=123)  # other init: the checkpoint must matter
+        ddp, hook_state, opt = _build(period, warmup, seed=123, **options)  # other init: the checkpoint must matter
         ddp.module.load_state_dict(ckpt["model"])  # after DDP's broadcast: ranks differ between averagings
         opt.load_state_dict(ckpt["opt"])
         hook_state.load_state_dict(ckpt["hook"])

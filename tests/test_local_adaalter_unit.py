@@ -17,20 +17,36 @@ def _grads(n_steps, shape=(3, 2), seed=0):
     return [torch.randn(shape, generator=g) for _ in range(n_steps)]
 
 
-def _one_worker_reference(x0, grads, lr, eps, period, warmup, lazy=True):
-    """Algorithm 2 of arXiv 1911.09030 for one worker, written out step by step."""
+def _one_worker_reference(x0, grads, lr, eps, period, warmup, lazy=True, outer=None):
+    """Algorithm 2 of arXiv 1911.09030 for one worker, written out step by step.
+
+    ``lazy``: True/"paper" ``(t - t0) eps^2``, False/"constant" ``eps^2``, "rate" ``eps^2 + (t - t0 - 1) r``
+    with ``r`` the last growth of ``b2`` per step; ``outer``: ``(lr, momentum, nesterov)`` applied at each
+    averaging from the parameters of the last synchronisation.
+    """
+    rule = {True: "paper", False: "constant"}.get(lazy, lazy)
     x, b2, a, t0 = x0.clone(), torch.zeros_like(x0), torch.zeros_like(x0), 0
+    r, anchor, v = torch.zeros_like(x0), x0.clone(), torch.zeros_like(x0)
     for t, g in enumerate(grads, start=1):
         if t <= warmup:
             x = x - lr * g / torch.sqrt(b2 + eps ** 2)
-            b2 = b2 + g * g
-            t0 = t
+            b2, r = b2 + g * g, g * g
+            t0, anchor = t, x.clone()
             continue
-        k = (t - t0) if lazy else 1
-        x = x - lr * g / torch.sqrt(b2 + k * eps ** 2)
+        if rule == "rate":
+            denom = b2 + eps ** 2 + (t - t0 - 1) * r
+        else:
+            denom = b2 + ((t - t0) if rule == "paper" else 1) * eps ** 2
+        x = x - lr * g / torch.sqrt(denom)
         a = a + g * g
         if t - t0 == period:
-            b2, a, t0 = b2 + a, torch.zeros_like(a), t
+            if outer is not None:
+                olr, m, nesterov = outer
+                d = anchor - x
+                v = m * v + d
+                x = anchor - olr * ((d + m * v) if nesterov else v)
+                anchor = x.clone()
+            b2, r, a, t0 = b2 + a, a / period, torch.zeros_like(a), t
     return x, b2, a
 
 
@@ -56,7 +72,10 @@ def test_validation_names_argument_value_and_rule():
         (dict(warmup_steps=-3), ValueError, r"`warmup_steps` must be an int >= 0, got -3; it is the number of"),
         (dict(warmup_steps=True), TypeError, r"`warmup_steps` must be an int, got True of type bool"),
         (dict(process_group="world"), TypeError, r"`process_group` must be None \(the default group\)"),
-        (dict(lazy_correction=1), TypeError, r"`lazy_correction` must be a bool, got 1 of type int"),
+        (dict(lazy_correction=1), TypeError, r"`lazy_correction` must be one of .* or a bool, got 1 of type int"),
+        (dict(lazy_correction="lazy"), ValueError, r"`lazy_correction` must be one of"),
+        (dict(outer_momentum=1.0), ValueError, r"`outer_momentum` must be a float in \[0, 1\), got 1.0"),
+        (dict(outer_lr=0.0), ValueError, r"`outer_lr` must be a float in \(0, inf\), got 0.0"),
         (dict(hook_state=LocalSGDState), TypeError, r"`hook_state` must be None or a LocalSGDState, got type"),
     ]
     for kwargs, exc, msg in cases:
@@ -86,18 +105,59 @@ def test_single_worker_period_1_is_plain_adaalter():
         torch.testing.assert_close(opt.state[opt.param_groups[0]["params"][0]]["sum_sq"], b2)
 
 
-@pytest.mark.parametrize("period,warmup,lazy", [(4, 0, True), (3, 2, True), (5, 3, False)])
-def test_single_worker_local_steps_match_reference(period, warmup, lazy):
+@pytest.mark.parametrize("period,warmup,lazy,outer", [
+    (4, 0, True, None), (3, 2, True, None), (5, 3, False, None), (3, 2, "rate", None), (4, 0, "rate", None),
+    (3, 2, "rate", (0.7, 0.9, True)), (2, 0, "constant", (0.5, 0.6, False)), (4, 1, "paper", (1.3, 0.0, True)),
+])
+def test_single_worker_local_steps_match_reference(period, warmup, lazy, outer):
     x0, grads = torch.randn(3, 2), _grads(14, seed=period)
-    want_x, want_b2, want_a = _one_worker_reference(x0, grads, 0.3, 0.7, period, warmup, lazy)
-    got, opt = _run_opt(x0, grads, lr=0.3, eps=0.7, period=period, warmup_steps=warmup, lazy_correction=lazy)
+    want_x, want_b2, want_a = _one_worker_reference(x0, grads, 0.3, 0.7, period, warmup, lazy, outer)
+    options = {} if outer is None else dict(outer_lr=outer[0], outer_momentum=outer[1], outer_nesterov=outer[2])
+    got, opt = _run_opt(x0, grads, lr=0.3, eps=0.7, period=period, warmup_steps=warmup, lazy_correction=lazy,
+                        **options)
     st = opt.state[opt.param_groups[0]["params"][0]]
     torch.testing.assert_close(got, want_x, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(st["sum_sq"], want_b2)
     torch.testing.assert_close(st["local_sq"], want_a)
-    # The correction matters: the other variant gives a different trajectory.
-    other, _ = _run_opt(x0, grads, lr=0.3, eps=0.7, period=period, warmup_steps=warmup, lazy_correction=not lazy)
-    assert not torch.allclose(other, got)
+    # The rule matters: every other one gives a different trajectory, and so does dropping the outer step.
+    for rule in {"paper", "constant", "rate"} - {{True: "paper", False: "constant"}.get(lazy, lazy)}:
+        other, _ = _run_opt(x0, grads, lr=0.3, eps=0.7, period=period, warmup_steps=warmup, lazy_correction=rule,
+                            **options)
+        assert not torch.allclose(other, got)
+    if outer is not None:
+        plain, _ = _run_opt(x0, grads, lr=0.3, eps=0.7, period=period, warmup_steps=warmup, lazy_correction=lazy)
+        assert not torch.allclose(plain, got)
+
+
+def test_rule_names_and_bools_are_the_same_rules_and_old_states_load():
+    x0, grads = torch.randn(3, 2), _grads(9, seed=5)
+    for flag, name in ((True, "paper"), (False, "constant")):
+        by_flag, opt = _run_opt(x0, grads, lr=0.3, eps=0.7, period=3, lazy_correction=flag)
+        by_name, _ = _run_opt(x0, grads, lr=0.3, eps=0.7, period=3, lazy_correction=name)
+        assert torch.equal(by_flag, by_name) and opt.param_groups[0]["lazy_correction"] == name
+        saved = opt.state_dict()
+        saved["param_groups"][0]["lazy_correction"] = flag  # as states saved before the rules had names
+        w = torch.nn.Parameter(by_flag.clone())
+        fresh = LocalAdaAlter([w], lr=0.3, eps=0.7, period=3, lazy_correction="rate")
+        fresh.load_state_dict(saved)
+        assert fresh.param_groups[0]["lazy_correction"] == name
+
+
+def test_outer_state_must_match_between_checkpoint_and_optimizer():
+    x0, grads = torch.randn(3, 2), _grads(5, seed=6)
+    _, with_outer = _run_opt(x0, grads, lr=0.3, period=2, outer_lr=0.7, outer_momentum=0.9)
+    saved = with_outer.state_dict()
+    assert [a.shape for a in saved["outer"]["anchors"]] == [(3, 2)]
+    w = torch.nn.Parameter(x0.clone())
+    with pytest.raises(ValueError, match=r"saved with an outer optimizer \(outer_lr=0.7, outer_momentum=0.9\)"):
+        LocalAdaAlter([w], lr=0.3, period=2).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"outer optimizer has lr=0.7, momentum=0.9, nesterov=True but this run "
+                                         r"has lr=0.7, momentum=0.5"):
+        LocalAdaAlter([w], lr=0.3, period=2, outer_lr=0.7, outer_momentum=0.5).load_state_dict(saved)
+    other = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="do not match the parameters' shapes"):
+        LocalAdaAlter([other], lr=0.3, period=2, outer_lr=0.7, outer_momentum=0.9).load_state_dict(
+            {**saved, "state": {}})
 
 
 def test_parameter_without_grad_keeps_value_and_has_accumulators():

@@ -38,6 +38,8 @@ def _args(*argv, cuda=False):
     (["--density", "0.1"], "--density applies to --hook sparsify only"),
     (["--powersgd-rank", "2"], "--powersgd-rank applies to --hook powersgd only"),
     (["--period", "4"], "--period applies to --optimizer local_adaalter only"),
+    (["--outer-lr", "0.7"], "--outer-lr applies to --optimizer local_adaalter only"),
+    (["--lazy-correction", "rate"], "--lazy-correction applies to --optimizer local_adaalter only"),
     (["--optimizer", "adagrad", "--momentum", "0.9"], "--momentum applies to --optimizer sgd only"),
     (["--no-error-feedback"], "--no-error-feedback applies to --hook sparsify only"),
     (["--hook", "powersgd", "--warmup-steps", "1"], "needs --warmup-steps >= 2"),
@@ -69,6 +71,16 @@ def test_defaults_of_owned_options_are_filled_for_their_owner_only():
     assert sparse.momentum == 0.9 and sparse.powersgd_rank is None and sparse.eps is None
     ada = _args("--hook", "local_sgd", "--optimizer", "local_adaalter")
     assert ada.period == 8 and ada.eps == 1.0 and ada.momentum is None and ada.density is None
+    assert (ada.lazy_correction, ada.outer_lr, ada.outer_momentum) == (None, 1.0, 0.0)
+    from comm_setup import build_optimizer
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = build_optimizer(ada, [w], None)
+    assert opt.averager.outer is None and opt.param_groups[0]["lazy_correction"] == "paper"
+    outer = _args("--hook", "local_sgd", "--optimizer", "local_adaalter", "--lazy-correction", "constant",
+                  "--outer-lr", "0.7", "--outer-momentum", "0.9")
+    opt = build_optimizer(outer, [w], None)
+    assert (opt.averager.outer.lr, opt.averager.outer.momentum) == (0.7, 0.9)
+    assert opt.param_groups[0]["lazy_correction"] == "constant"
     assert _args("--optimizer", "adagrad").eps == 1e-10
     assert _args("--amp", cuda=True).amp  # accepted where CUDA exists
 
