@@ -10,8 +10,10 @@ One process per GPU (NCCL) or per CPU slot (gloo), started by torchrun::
 ``--data fashion-mnist`` reads Debian's ``dataset-fashion-mnist`` files (or
 ``--data-dir``), see ``fashion_mnist_data.py``.
 
-Without torchrun it runs as a single process. Invalid flag combinations are
-refused by :func:`validate_args` before any process group starts.
+Without torchrun it runs as a single process. Invalid flags and flag
+combinations are refused by :func:`validate_args` before any process group
+starts, in one line printed by rank 0 alone (torchrun then reports its failed
+processes).
 
 Every epoch writes, under ``--out-dir``: one JSON line in ``metrics.jsonl``
 (see ``run_metrics.TIME_FIELDS``) and one checkpoint per rank,
@@ -70,9 +72,19 @@ _OWNED_OPTIONS = {
 _ADAGRAD_EPS = {"adagrad": 1e-10, "local_adaalter": 1.0}
 
 
+class _OncePerJobParser(argparse.ArgumentParser):
+    """Reports a bad flag in one line, from one process: torchrun starts every rank with the same flags,
+    so only rank 0 (``RANK`` unset or 0) prints; every rank exits with status 2."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message} (flags: {self.prog} --help)\n")
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OncePerJobParser(description=__doc__.split("\n\n")[0],
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=MODELS, default="resnet20", help="network (default: resnet20)")
     g.add_argument("--width", type=int, default=None,
@@ -570,7 +582,8 @@ class Trainer:
             record["time_eval_s"] = self.timer.seconds["time_eval_s"]
             record.update(step=self.step, lr=self.optimizer.param_groups[0]["lr"], hook=a.hook,
                           optimizer=a.optimizer, model=a.model, world_size=self.world_size,
-                          device=self.device.type)
+                          device=self.device.type, method=a.method, density=a.density,
+                          powersgd_rank=a.powersgd_rank, period=a.period)
             self.epoch += 1
             # Metrics first: a kill between the two makes --resume redo this epoch, and the
             # resumed run drops the line (MetricsFile keeps the epochs of the checkpoint).

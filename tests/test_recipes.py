@@ -284,6 +284,19 @@ def test_plot_writes_a_figure(tmp_path):
     assert os.path.getsize(out) > 1000
 
 
+def test_plot_labels_tell_runs_of_one_hook_apart():
+    import plot
+
+    base = dict(optimizer="sgd", method=None, density=None, powersgd_rank=None, period=None)
+    assert plot.label_of({**base, "hook": "sparsify", "method": "random_block", "density": 0.01}) == \
+        "random_block d=0.01"
+    assert plot.label_of({**base, "hook": "sparsify", "method": "topk", "density": 0.05}) == "topk d=0.05"
+    assert plot.label_of({**base, "hook": "powersgd", "powersgd_rank": 4}) == "powersgd rank 4"
+    assert plot.label_of({**base, "hook": "local_sgd", "optimizer": "local_adaalter", "period": 8}) == \
+        "local_adaalter H=8"
+    assert plot.label_of({"hook": "allreduce", "optimizer": "sgd"}) == "allreduce/sgd"  # records before the fields
+
+
 def test_plot_refuses_mismatched_labels():
     import plot
 

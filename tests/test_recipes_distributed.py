@@ -233,8 +233,20 @@ def test_cli_through_torchrun(tmp_path):
     assert records[-1]["bytes_sent"] == records[-1]["bytes_dense"]
 
 
-def test_invalid_flags_refused_before_any_process_starts(tmp_path):
+def test_invalid_flags_refused_in_one_line_by_rank_0_before_any_process_group(tmp_path):
+    for bad in (["--hook", "sparsify", "--method", "topk"], ["--hook", "nonsense"]):
+        lines = {}
+        for rank in ("0", "1"):
+            env = {k: v for k, v in os.environ.items() if k != "RANK"}
+            if rank == "1":
+                env["RANK"] = rank  # as torchrun sets it
+            proc = subprocess.run([sys.executable, os.path.join(RECIPES, "train_cifar.py"), *bad],
+                                  capture_output=True, text=True, timeout=60, env=env)
+            assert proc.returncode == 2
+            lines[rank] = proc.stderr.splitlines()
+        assert lines["1"] == []  # the other ranks stay silent
+        assert len(lines["0"]) == 1 and "usage:" not in lines["0"][0] and "--help" in lines["0"][0]
+    assert "--hook: invalid choice: 'nonsense'" in lines["0"][0]
     proc = subprocess.run([sys.executable, os.path.join(RECIPES, "train_cifar.py"), "--hook", "sparsify",
                            "--method", "topk"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
     assert "--method topk needs --aggregation allgather" in proc.stderr
