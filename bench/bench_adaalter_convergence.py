@@ -42,6 +42,7 @@ each, with the per-epoch curve, and start with the command that made them.
 """
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -164,13 +165,32 @@ def train_one(rank, world, task, data, run, args, seed):
             if after_step is not None:
                 after_step()
             losses.append(loss.item())
-        curve.append(round(data["metric"](ddp.module), 3 if task == "fortunes" else 2))
+        curve.append(round(data["metric"](_averaged(ddp.module, world) if run["kind"] == "local_sgd"
+                                          else ddp.module), 3 if task == "fortunes" else 2))
     return {"seed": seed, "name": run["name"], "metric": curve[-1], "curve": curve,
             "last_epoch_loss": sum(losses) / len(losses), "syncs_per_epoch": COUNT["all_reduce"] / args.epochs,
             "seconds": round(time.perf_counter() - start, 1)}
 
 
 COUNT = {"all_reduce": 0}
+ALL_REDUCE = dist.all_reduce  # the uncounted one, for evaluation
+
+
+def _averaged(module, world):
+    """A copy of ``module`` with the parameters averaged over the ranks (off the clock, not counted).
+
+    PyTorch's ``PeriodicModelAverager`` averages after steps ``warmup + 1 + k H`` (it counts from 0), so its
+    epochs end ``H - 1`` local steps after an averaging and the ranks differ: the copy is what an averaging
+    at the end would give.
+    """
+    averaged = copy.deepcopy(module)
+    if world == 1:
+        return averaged
+    with torch.no_grad():
+        for p in averaged.parameters():
+            ALL_REDUCE(p.data)
+            p.data.div_(world)
+    return averaged
 
 
 def _count_all_reduce():
@@ -242,7 +262,7 @@ def largest_periods(results, task):
     if base is None:
         return {}
     within = (lambda m: m <= 1.02 * base) if task == "fortunes" else (lambda m: m >= base - 1.0)
-    best = {}
+    best, tried = {}, {}
     for name, mean in means.items():
         if not name.startswith(("LAA H=", "local SGD H=")):
             continue
@@ -250,26 +270,40 @@ def largest_periods(results, task):
         period, _, family = tail.partition(" ")
         family = (head + family).strip()
         best.setdefault(family, None)
+        tried[family] = max(tried.get(family, 0), int(period))
         if within(mean) and (best[family] is None or int(period) > best[family]):
             best[family] = int(period)
-    return best
+    return {family: (h, h == tried[family]) for family, h in best.items()}
 
 
-def report(paths):
+def report(paths, merge=False):
+    """Print each results file's command, header and table; with ``merge``, one table of all files, a
+    later file's run replacing an earlier one of the same name and seed (a rerun of some rows)."""
+    merged, task = {}, None
     for path in paths:
         with open(path) as f:
             first, *rest = [json.loads(line) for line in f if line.strip()]
-        bound = "2 % of perplexity" if first["task"] == "fortunes" else "1 point"
-        largest = ", ".join(f"{family}: {'none' if h is None else f'H={h}'}"
-                            for family, h in largest_periods(rest, first["task"]).items())
-        print(f"$ {first['command']}\n{first['header']}\n\n{table(rest, first['task'])}\n\n"
-              f"Largest H within {bound} of sync AdaGrad: {largest}\n")
+        print(f"$ {first['command']}\n{first['header']}")
+        task = first["task"]
+        if merge:
+            merged.update({(r["name"], r["seed"]): r for r in rest})
+        else:
+            print(_summary(rest, task))
+    if merge:
+        print(_summary(list(merged.values()), task))
+
+
+def _summary(results, task):
+    bound = "2 % of perplexity" if task == "fortunes" else "1 point"
+    largest = ", ".join(f"{family}: {'none' if h is None else f'H={h}'}{' (the largest tried)' if top else ''}"
+                        for family, (h, top) in largest_periods(results, task).items())
+    return f"\n{table(results, task)}\n\nLargest H within {bound} of sync AdaGrad: {largest}\n"
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.report:
-        return report(args.report)
+        return report(args.report, args.merge)
     runs = default_runs(outer_rule=args.outer_rule)
     if args.only:
         runs = [r for r in runs if r["name"] in args.only]
@@ -299,12 +333,13 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
     p.add_argument("--seed-start", type=int, default=0, help="first seed (default 0)")
     p.add_argument("--epochs", type=int, default=None, help="epochs (default 4, quick 1)")
-    p.add_argument("--outer-rule", default="rate", help="lazy correction of the outer-optimizer rows (default rate)")
+    p.add_argument("--outer-rule", choices=("paper", "constant", "rate"), default="rate", help="lazy correction of the outer-optimizer rows (default rate)")
     p.add_argument("--lr", type=float, default=None, help="AdaGrad's and AdaAlter's lr (default: the task's)")
     p.add_argument("--eps", type=float, default=None, help="AdaGrad's and AdaAlter's eps (default: the task's)")
     p.add_argument("--sgd-lr", type=float, default=None, help="local SGD's lr (default: the task's)")
     p.add_argument("--out", default=None, help="write every run as JSON lines here")
     p.add_argument("--report", nargs="+", default=None, help="print the tables of these results files and stop")
+    p.add_argument("--merge", action="store_true", help="with --report: one table, later files replacing rows")
     args = p.parse_args(argv)
     if args.seeds is None:
         args.seeds = 1 if args.quick else 3

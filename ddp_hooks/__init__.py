@@ -18,6 +18,7 @@ from .adaalter import LocalAdaAlter, build_local_adaalter
 from .averager import AdaAlterAverager
 from .baselines import build_local_sgd, build_sync_adagrad
 from .local_sgd import LocalSGDState, local_sgd_hook
+from .outer_sgd import OuterSGD
 from .schedule import LocalAdaAlterSchedule
 from .sparsify import sparsify_hook
 from .sparsify_sgd import build_sparsify_sgd, check_optimizer
@@ -33,6 +34,7 @@ __all__ = [
     "LocalAdaAlter",
     "build_local_adaalter",
     "AdaAlterAverager",
+    "OuterSGD",
     "LocalSGDState",
     "local_sgd_hook",
     "LocalAdaAlterSchedule",

@@ -23,7 +23,12 @@ Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
    With an outer optimizer (``outer_lr``, ``outer_momentum``; DiLoCo,
    arXiv 2311.08105), ``mean_j x_j`` then goes through
    :class:`~ddp_hooks.outer_sgd.OuterSGD` from the parameters of the last
-   synchronisation; the accumulators are averaged as above.
+   averaging; the accumulators are averaged as above. The first averaging
+   only gives the outer optimizer its starting point (parameters that are
+   the same on every rank by construction), so it acts from the second on.
+   It moves every averaged parameter, one without a gradient in the round
+   too (by its outer momentum), and keeps two more copies of the parameters
+   (anchor and velocity, in their dtype).
 
 Conventions:
 
@@ -33,22 +38,12 @@ Conventions:
   is ``eps=1.0`` here.
 * The lazy correction stands in the denominator for the squared gradients
   that a synchronous run would have added since ``t0`` and a local step
-  cannot know (``lazy_correction``):
-
-  - ``"paper"`` (or ``True``): ``sqrt(B2_t0 + (t - t0) * eps^2)``, the paper's
-    placeholder ``eps^2`` per step;
-  - ``"constant"`` (or ``False``): ``sqrt(B2_t0 + eps^2)`` at every step, as
-    in the authors' MXNet code (``g / sqrt(history + eps)``);
-  - ``"rate"``: ``sqrt(B2_t0 + eps^2 + (t - t0 - 1) * r)``, with ``r`` (per
-    coordinate, ``state["sq_rate"]``) the mean growth of ``B2`` per step over
-    the last round, ``mean_j A_j / H`` (the last warm-up step's ``g_t^2``
-    before the first average): the placeholder is what the accumulator
-    itself has been gaining, not a fixed ``eps^2``, which can be far larger
-    or smaller than a model's squared gradients. Costs one more tensor the
-    size of the parameters.
-
-  All three equal synchronous AdaAlter at ``t - t0 = 1`` (so in warm-up and
-  with ``H = 1``).
+  cannot know (``lazy_correction``, :mod:`ddp_hooks.lazy_correction`):
+  ``"paper"`` (``True``) ``sqrt(B2_t0 + (t - t0) * eps^2)``; ``"constant"``
+  (``False``) ``sqrt(B2_t0 + eps^2)``, as the authors' MXNet code; ``"rate"``
+  ``sqrt(B2_t0 + eps^2 + (t - t0 - 1) * r)``, ``r`` (``state["sq_rate"]``,
+  one more tensor the size of the parameters) the accumulator's mean growth
+  per step over the last round.
 * ``A_i`` (``state["local_sq"]``) is the rank's own sum of squared gradients
   since ``t0``. With ``H = 1`` the update of ``x`` equals synchronous AdaAlter's,
   but ``B2`` grows by ``mean_j g_j^2``, not ``(mean_j g_j)^2``.
@@ -72,31 +67,22 @@ Conventions:
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from ._validate import check_choice, check_float, check_process_group
+from ._validate import check_float, check_process_group
+from .adaalter_checkpoint import check_loadable
 from .averager import AdaAlterAverager
+from .lazy_correction import check_rule, denominator
 from .local_sgd import LocalSGDState, local_sgd_hook
 from .outer_sgd import OuterSGD
-from .schedule import LAZY_CORRECTIONS, LocalAdaAlterSchedule, _register_owner, driver_settings
+from .schedule import LocalAdaAlterSchedule, _register_owner, driver_settings
 
 __all__ = ["LocalAdaAlter", "build_local_adaalter"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_lazy_correction(value) -> str:
-    """The rule's name; ``True`` and ``False`` (the option's first values) name the paper's and the constant rule."""
-    if isinstance(value, bool):
-        return "paper" if value else "constant"
-    if not isinstance(value, str):
-        raise TypeError(f"`lazy_correction` must be one of {LAZY_CORRECTIONS} or a bool, got {value!r} of type "
-                        f"{type(value).__name__}")
-    return check_choice("lazy_correction", value, LAZY_CORRECTIONS,
-                        "the placeholder in the denominator for the squares a local step cannot know")
 
 
 def _check_positive(name: str, value, reason: str) -> float:
@@ -158,7 +144,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         period: int = 4,
         warmup_steps: int = 0,
         process_group: Optional[dist.ProcessGroup] = None,
-        lazy_correction="paper",
+        lazy_correction: Union[str, bool] = "paper",
         hook_state: Optional[LocalSGDState] = None,
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
@@ -168,7 +154,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         _check_positive("eps", eps, "eps^2 is the initial accumulation; 0 would divide by zero at the first step")
         schedule = LocalAdaAlterSchedule(warmup_steps=warmup_steps, period=period)
         check_process_group("process_group", process_group)
-        lazy_correction = _check_lazy_correction(lazy_correction)
+        lazy_correction = check_rule(lazy_correction)
         outer = OuterSGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_nesterov)
         if hook_state is not None and not isinstance(hook_state, LocalSGDState):
             raise TypeError(f"`hook_state` must be None or a LocalSGDState, got {type(hook_state).__name__}")
@@ -190,7 +176,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            group["lazy_correction"] = _check_lazy_correction(group["lazy_correction"])
+            group["lazy_correction"] = check_rule(group["lazy_correction"])
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -208,6 +194,11 @@ class LocalAdaAlter(torch.optim.Optimizer):
                              "local_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         if hasattr(self, "schedule"):
             _register_owner(self.param_groups[-1]["params"], self.schedule)
+            outer = self.averager.outer
+            if outer is not None and outer.has_anchor:  # the anchors no longer cover every parameter
+                logger.warning("LocalAdaAlter: a parameter group was added; the outer optimizer restarts (velocity "
+                               "0) from the next averaging")
+                outer.anchors = outer.velocities = None
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
@@ -252,6 +243,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         sched = self.schedule
+        for group in self.param_groups:  # a rule set on a group by hand (a name or, as before, a bool)
+            group["lazy_correction"] = check_rule(group["lazy_correction"])
         self._check_ranks()
         warmup = sched.in_warmup
         if self._skip_for_amp(warmup):
@@ -259,12 +252,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         local_steps = sched.local_steps_next()
-        outer = self.averager.outer
-        if outer is not None and not warmup and not outer.has_anchor and sched.step == sched.last_sync:
-            outer.set_anchor(self._params())  # the round starts from parameters all ranks share
         for group in self.param_groups:
             lr, eps2, rule = group["lr"], group["eps"] ** 2, group["lazy_correction"]
-            offset = (local_steps if rule == "paper" else 1) * eps2
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -272,10 +261,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
                     raise RuntimeError("LocalAdaAlter does not support sparse gradients")
                 g = p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.dtype)
                 st = self.state[p]
-                if rule == "rate" and local_steps > 1:
-                    denom = torch.add(st["sum_sq"], self._sq_rate(p), alpha=local_steps - 1).add_(eps2).sqrt_()
-                else:
-                    denom = st["sum_sq"].add(offset).sqrt_()
+                denom = denominator(rule, st["sum_sq"], self._sq_rate(p) if rule == "rate" else None, eps2,
+                                    local_steps)
                 p.addcdiv_(g, denom, value=-lr)
                 if warmup and rule == "rate":
                     torch.mul(g, g, out=self._sq_rate(p))  # B2's growth at this step
@@ -291,35 +278,14 @@ class LocalAdaAlter(torch.optim.Optimizer):
             st["sq_rate"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return st["sq_rate"]
 
-    def _check_loadable(self, state_dict: Dict[str, Any]) -> None:
-        sched = state_dict["schedule"]
-        saved_world, saved_rank = state_dict.get("world_size"), state_dict.get("rank")
-        world, rank = self._world_size(), self._rank()
-        if saved_world is not None and int(sched["step"]) != int(sched["last_sync"]) and \
-                (saved_world, saved_rank) != (world, rank):
-            raise ValueError(
-                f"this LocalAdaAlter state was saved by rank {saved_rank} of {saved_world} between two averagings "
-                f"(step {sched['step']}, last averaged at {sched['last_sync']}), and this is rank {rank} of {world}: "
-                "its local accumulators belong to that rank alone. Resume on the same ranks, or from a checkpoint "
-                "taken at an averaging step (step == last_sync), which loads on any number of ranks"
-            )
-        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
-        for i, p in zip(saved_ids, self._params()):
-            for name, t in state_dict.get("state", {}).get(i, {}).items():
-                if isinstance(t, torch.Tensor) and t.shape != p.shape:
-                    raise ValueError(
-                        f"the saved LocalAdaAlter state {name!r} of parameter #{i} has shape {tuple(t.shape)} but the "
-                        f"parameter has shape {tuple(p.shape)}: the state was saved from a different model"
-                    )
-
     def _synchronise(self) -> None:
         params = self._params()
         local = [self.state[p]["local_sq"] for p in params]
         self.averager.average_(params + local)
         outer = self.averager.outer
         if outer is not None:
-            # Without an anchor (a state saved before the outer optimizer, loaded mid-round) this round
-            # stays a plain average, and the next one starts from it.
+            # The first averaging (or the first after loading a state without one) only sets the start:
+            # averaged parameters are the same on every rank, whatever happened before.
             if outer.has_anchor:
                 outer.step_(params)
             else:
@@ -355,38 +321,25 @@ class LocalAdaAlter(torch.optim.Optimizer):
         synchronisations holds this rank's own local accumulators (and goes
         with this rank's own parameters): it loads only on the rank that saved
         it, with the same number of ranks; anything else raises ``ValueError``.
-        Accumulators whose shapes differ from the parameters' (another model)
-        raise ``ValueError`` before anything is changed.
+        Accumulators whose shapes differ from the parameters' (another model),
+        unknown rules and outer-optimizer mismatches raise ``ValueError``
+        before anything is changed (:mod:`ddp_hooks.adaalter_checkpoint`).
         """
+        outer = self.averager.outer
+        check_loadable(state_dict, self._params(), self._world_size(), self._rank(), self.schedule, outer)
         state_dict = dict(state_dict)
-        if "schedule" not in state_dict:
-            raise ValueError("this state dict has no 'schedule' entry; it was not saved by LocalAdaAlter.state_dict()")
-        self._check_loadable(state_dict)
         state_dict.pop("world_size", None)
         state_dict.pop("rank", None)
         schedule = state_dict.pop("schedule")
-        # Validate on a copy first, so that a refused state changes nothing.
-        LocalAdaAlterSchedule(self.schedule.warmup_steps, self.schedule.period).load_state_dict(schedule)
         outer_state = state_dict.pop("outer", None)
-        outer = self.averager.outer
-        if outer_state is not None and outer is None:
-            raise ValueError(
-                f"this LocalAdaAlter state was saved with an outer optimizer (outer_lr={outer_state['lr']}, "
-                f"outer_momentum={outer_state['momentum']}) and this optimizer has none; build it with the saved "
-                "outer_lr and outer_momentum to resume"
-            )
-        if outer is not None:
-            if outer_state is None:
-                logger.warning("LocalAdaAlter: the state holds no outer optimizer (saved without one); the outer "
-                               "optimizer starts at the next synchronisation")
-            OuterSGD(outer.lr, outer.momentum, outer.nesterov).load_state_dict(  # validates, changes nothing
-                outer_state or {"lr": outer.lr, "momentum": outer.momentum, "nesterov": outer.nesterov,
-                                "anchors": [], "velocities": []}, self._params())
+        if outer is not None and outer_state is None:
+            logger.warning("LocalAdaAlter: the state holds no outer optimizer (saved without one); the outer "
+                           "optimizer starts at the next averaging")
         amp_agreements = int(state_dict.pop("amp_agreements", 0))
         averagings = int(state_dict.pop("averagings", 0))
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # states saved before the rules had names hold a bool
-            group["lazy_correction"] = _check_lazy_correction(group["lazy_correction"])
+            group["lazy_correction"] = check_rule(group["lazy_correction"])
         self.schedule.load_state_dict(schedule)
         if outer is not None:
             if outer_state is None:

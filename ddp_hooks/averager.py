@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ._validate import check_process_group
+from .collectives import check_same_on_all_ranks
 from .outer_sgd import OuterSGD
 from .schedule import LocalAdaAlterSchedule
 
@@ -58,12 +59,10 @@ class AdaAlterAverager:
             or equal the schedule's).
         outer (OuterSGD): an outer optimizer for the averaged parameters, or
             ``None`` (plain averaging). :meth:`average_parameters` applies
-            it at each averaging, from the parameters it saw at the end of
-            warm-up or at the last averaging (the warm-up must keep the ranks
-            equal, as ``local_sgd_hook`` or PyTorch's ``post_localSGD_hook``
-            do by averaging gradients); with ``warmup_steps=0`` it has not
-            seen the starting point, so the first round is averaged plainly.
-            ``LocalAdaAlter`` applies it itself (it sees every step).
+            it at each averaging from the second on, from the parameters of
+            the last one (the first only gives it that start: averaged
+            parameters are the same on every rank, whatever came before);
+            ``LocalAdaAlter`` applies it to its own averagings alike.
 
     Two uses:
 
@@ -113,6 +112,7 @@ class AdaAlterAverager:
         self.process_group = process_group
         self.outer = outer
         self.averagings = 0
+        self._outer_checked = False
 
     def _world_size(self) -> int:
         if not dist.is_available() or not dist.is_initialized():
@@ -157,16 +157,29 @@ class AdaAlterAverager:
         world = self._world_size()
         if world > 1 and params:  # before the first averaging: do all ranks average on the same steps?
             self.schedule.check_across_ranks(self.process_group, world, params[0].device)
+            self._check_outer_across_ranks(world, params[0].device)
         due = self.schedule.advance()
         if due:
             self.average_(params)
-        outer = self.outer
-        if outer is not None and not outer.is_plain_average:
-            if due and outer.has_anchor:
-                outer.step_(params)
-            elif due or self.schedule.step == self.schedule.warmup_steps:  # synchronised, the anchor is missing
-                outer.set_anchor(params)
+            outer = self.outer
+            if outer is not None and not outer.is_plain_average:
+                if outer.has_anchor:
+                    outer.step_(params)
+                else:
+                    outer.set_anchor(params)
         return due
+
+    def _check_outer_across_ranks(self, world: int, device) -> None:
+        """Once: ranks with different outer optimizers would leave the average at different places."""
+        if self._outer_checked:
+            return
+        outer = self.outer
+        settings = {"outer": outer is not None, "outer_lr": outer.lr if outer else 1.0,
+                    "outer_momentum": outer.momentum if outer else 0.0,
+                    "outer_nesterov": outer.nesterov if outer else True}
+        check_same_on_all_ranks(settings, self.process_group, world, device, "outer optimizers",
+                                "every rank must take the same outer step from the same average")
+        self._outer_checked = True
 
     def state_dict(self) -> Dict[str, object]:
         """The schedule, the counter and the outer optimizer's state, if any."""
@@ -177,13 +190,16 @@ class AdaAlterAverager:
 
     def load_state_dict(self, state: Dict, params: Optional[Iterable[Union[torch.Tensor, dict]]] = None) -> None:
         """Restore what :meth:`state_dict` returned (with an outer optimizer: pass the ``params`` averaged)."""
+        if ("outer" in state) != (self.outer is not None):
+            saved, mine = ("with" if "outer" in state else "without"), ("has one" if self.outer else "has none")
+            raise ValueError(f"the averager state was saved {saved} an outer optimizer and this averager {mine}; "
+                             "build it as it was saved to resume")
+        if self.outer is not None and params is None:
+            raise ValueError("an averager with an outer optimizer needs `params` to load its state "
+                             "(the anchors take their shapes and devices)")
+        check = LocalAdaAlterSchedule(self.schedule.warmup_steps, self.schedule.period)
+        check.load_state_dict(state["schedule"])  # validated on a copy: a refused state changes nothing
         if self.outer is not None:
-            if "outer" not in state:
-                raise ValueError("this averager has an outer optimizer but the state has none: it was saved "
-                                 "without one; build the averager as it was saved to resume")
-            if params is None:
-                raise ValueError("an averager with an outer optimizer needs `params` to load its state "
-                                 "(the anchors take their shapes and devices)")
             self.outer.load_state_dict(state["outer"], _flatten_params(params))
         self.schedule.load_state_dict(state["schedule"])
         self.averagings = int(state["averagings"])

@@ -114,7 +114,8 @@ class OuterSGD:
         if not anchors:
             self.anchors = self.velocities = None
             return
-        if len(anchors) != len(like) or any(a.shape != p.shape for a, p in zip(anchors, like)):
+        if len(anchors) != len(like) or len(velocities) != len(like) or \
+                any(a.shape != p.shape or v.shape != p.shape for a, v, p in zip(anchors, velocities, like)):
             raise ValueError("the checkpoint's outer-optimizer anchors do not match the parameters' shapes: "
                              "it was saved from a different model")
         self.anchors = [a.to(device=p.device, dtype=p.dtype).clone() for a, p in zip(anchors, like)]

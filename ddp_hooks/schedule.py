@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._validate import check_int
 from .collectives import check_same_on_all_ranks
+from .lazy_correction import RULE_CODES, check_rule
 
 __all__ = ["LocalAdaAlterSchedule"]
 
@@ -161,11 +162,6 @@ class LocalAdaAlterSchedule:
                 f"step={self.step}, last_sync={self.last_sync})")
 
 
-#: Local AdaAlter's lazy-correction rules, with their codes in the cross-rank check (explicit, never reused;
-#: 0 and 1 are what ``False`` and ``True`` meant before the rules had names).
-LAZY_CORRECTIONS = ("paper", "constant", "rate")
-_LAZY_CORRECTION_CODES = {"constant": 0, "paper": 1, "rate": 2}
-
 # Settings of the cross-rank check for a schedule without an optimizer (same keys as the optimizer's).
 _NO_DRIVER = {"optimizer": False, "lr": 0.0, "eps": 0.0, "lazy_correction": 0, "param_groups": 0,
               "averaged_numel": 0, "groups_crc32": 0, "outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": True}
@@ -174,10 +170,10 @@ _NO_DRIVER = {"optimizer": False, "lr": 0.0, "eps": 0.0, "lazy_correction": 0, "
 def driver_settings(param_groups) -> Dict:
     """The cross-rank check's view of an optimizer: group 0's numbers, and a checksum over all groups."""
     first = param_groups[0]
-    every = repr([[float(g["lr"]), float(g["eps"]), _LAZY_CORRECTION_CODES[g["lazy_correction"]],
+    every = repr([[float(g["lr"]), float(g["eps"]), RULE_CODES[check_rule(g["lazy_correction"])],
                    sum(p.numel() for p in g["params"])] for g in param_groups])
     return {"optimizer": True, "lr": float(first["lr"]), "eps": float(first["eps"]),
-            "lazy_correction": _LAZY_CORRECTION_CODES[first["lazy_correction"]], "param_groups": len(param_groups),
+            "lazy_correction": RULE_CODES[check_rule(first["lazy_correction"])], "param_groups": len(param_groups),
             "averaged_numel": sum(p.numel() for g in param_groups for p in g["params"]),
             "groups_crc32": zlib.crc32(every.encode())}
 

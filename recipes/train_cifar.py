@@ -70,6 +70,8 @@ _OWNED_OPTIONS = {
     "momentum": ("optimizer", "sgd", 0.9),
 }
 _ADAGRAD_EPS = {"adagrad": 1e-10, "local_adaalter": 1.0}
+# Run settings compared on --resume that checkpoints written before them lack, with the values they ran with.
+_CONFIG_ADDED_LATER = {"lazy_correction": "paper", "outer_lr": 1.0, "outer_momentum": 0.0}
 
 
 class _OncePerJobParser(argparse.ArgumentParser):
@@ -226,6 +228,12 @@ def validate_args(args, cuda_available: bool) -> None:
         if args.method == "topk" and args.aggregation == "allreduce":
             raise ValueError("--method topk needs --aggregation allgather: each rank's top-k entries sit at "
                              "different positions, so their values alone cannot be summed by an allreduce")
+    if args.optimizer == "local_adaalter":
+        if not args.outer_lr > 0.0:
+            raise ValueError(f"--outer-lr must be > 0: it is the outer optimizer's learning rate, got {args.outer_lr}")
+        if not 0.0 <= args.outer_momentum < 1.0:
+            raise ValueError("--outer-momentum must be in [0, 1): it is the outer optimizer's momentum factor, "
+                             f"got {args.outer_momentum}")
     if args.hook == "powersgd":
         if args.powersgd_rank < 1:
             raise ValueError(f"--powersgd-rank must be >= 1, got {args.powersgd_rank}")
@@ -387,9 +395,13 @@ class Trainer:
 
     def _run_config(self) -> dict:
         a = self.args
-        return {"model": a.model, "width": a.width if a.width is not None else -1, "data": a.data,
-                "hook": a.hook, "optimizer": a.optimizer, "batch_size": a.batch_size, "world_size": self.world_size,
-                "seed": a.seed}
+        config = {"model": a.model, "width": a.width if a.width is not None else -1, "data": a.data,
+                  "hook": a.hook, "optimizer": a.optimizer, "batch_size": a.batch_size,
+                  "world_size": self.world_size, "seed": a.seed}
+        if a.optimizer == "local_adaalter":  # a checkpoint's param groups would silently win over the flags
+            config.update(lazy_correction=self.optimizer.defaults["lazy_correction"], outer_lr=a.outer_lr,
+                          outer_momentum=a.outer_momentum)
+        return config
 
     def _save_snapshot(self) -> None:
         snapshot = {
@@ -422,7 +434,8 @@ class Trainer:
             if not os.path.exists(path):
                 continue
             snap = torch.load(path, map_location=self.device, weights_only=True)
-            diff = {k: (snap["config"].get(k), v) for k, v in mine.items() if snap["config"].get(k) != v}
+            saved = {**_CONFIG_ADDED_LATER, **snap["config"]}
+            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
             if snap["version"] != CHECKPOINT_VERSION:
                 refused.append(f"{path}: checkpoint version {snap['version']} is not {CHECKPOINT_VERSION}")
             elif diff:

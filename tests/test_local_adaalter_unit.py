@@ -9,6 +9,7 @@ import torch.distributed as dist
 from ddp_hooks.adaalter import LocalAdaAlter
 from ddp_hooks.averager import AdaAlterAverager
 from ddp_hooks.local_sgd import LocalSGDState
+from ddp_hooks.outer_sgd import OuterSGD
 from ddp_hooks.schedule import LocalAdaAlterSchedule
 
 
@@ -22,16 +23,16 @@ def _one_worker_reference(x0, grads, lr, eps, period, warmup, lazy=True, outer=N
 
     ``lazy``: True/"paper" ``(t - t0) eps^2``, False/"constant" ``eps^2``, "rate" ``eps^2 + (t - t0 - 1) r``
     with ``r`` the last growth of ``b2`` per step; ``outer``: ``(lr, momentum, nesterov)`` applied at each
-    averaging from the parameters of the last synchronisation.
+    averaging (from the second on) from the parameters of the last one.
     """
     rule = {True: "paper", False: "constant"}.get(lazy, lazy)
     x, b2, a, t0 = x0.clone(), torch.zeros_like(x0), torch.zeros_like(x0), 0
-    r, anchor, v = torch.zeros_like(x0), x0.clone(), torch.zeros_like(x0)
+    r, anchor, v = torch.zeros_like(x0), None, torch.zeros_like(x0)
     for t, g in enumerate(grads, start=1):
         if t <= warmup:
             x = x - lr * g / torch.sqrt(b2 + eps ** 2)
             b2, r = b2 + g * g, g * g
-            t0, anchor = t, x.clone()
+            t0 = t
             continue
         if rule == "rate":
             denom = b2 + eps ** 2 + (t - t0 - 1) * r
@@ -40,7 +41,9 @@ def _one_worker_reference(x0, grads, lr, eps, period, warmup, lazy=True, outer=N
         x = x - lr * g / torch.sqrt(denom)
         a = a + g * g
         if t - t0 == period:
-            if outer is not None:
+            if outer is not None and anchor is None:  # the first averaging only sets the start
+                anchor = x.clone()
+            elif outer is not None:
                 olr, m, nesterov = outer
                 d = anchor - x
                 v = m * v + d
@@ -141,6 +144,52 @@ def test_rule_names_and_bools_are_the_same_rules_and_old_states_load():
         fresh = LocalAdaAlter([w], lr=0.3, eps=0.7, period=3, lazy_correction="rate")
         fresh.load_state_dict(saved)
         assert fresh.param_groups[0]["lazy_correction"] == name
+        w.grad = grads[0].clone()
+        fresh.step()  # the loaded rule runs
+        fresh.param_groups[0]["lazy_correction"] = flag  # set by hand, as code written before the names did
+        fresh.step()
+        assert fresh.param_groups[0]["lazy_correction"] == name
+
+
+def test_param_groups_keep_their_own_rule():
+    x0, grads = torch.randn(3, 2), _grads(11, seed=8)
+    a, b = torch.nn.Parameter(x0.clone()), torch.nn.Parameter(x0.clone())
+    opt = LocalAdaAlter([{"params": [a], "lazy_correction": "paper"}, {"params": [b], "lazy_correction": True}],
+                        lr=0.3, eps=0.7, period=3, warmup_steps=2, lazy_correction="rate")
+    c = torch.nn.Parameter(x0.clone())
+    opt.add_param_group({"params": [c]})  # the optimizer's default
+    for g in grads:
+        for p in (a, b, c):
+            p.grad = g.clone()
+        opt.step()
+    for p, rule in ((a, "paper"), (b, "paper"), (c, "rate")):
+        want, _, _ = _one_worker_reference(x0, grads, 0.3, 0.7, 3, 2, rule)
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"`lazy_correction` must be one of 'paper', 'constant', 'rate', got 'Rate'"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lazy_correction": "Rate"})
+    assert len(opt.param_groups) == 3
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lazy_correction"] = "Rate"
+    with pytest.raises(ValueError, match="the saved param group 0 has an unknown lazy correction"):
+        opt.load_state_dict({**saved, "param_groups": [{**g, "lr": 99.0} for g in saved["param_groups"]]})
+    assert opt.param_groups[0]["lr"] == 0.3 and opt.param_groups[0]["lazy_correction"] == "paper"
+
+
+def test_averager_state_must_match_before_anything_changes():
+    w = torch.zeros(2)
+    with_outer = AdaAlterAverager(period=2, outer=OuterSGD(lr=0.7))
+    for _ in range(2):
+        w.sub_(1.0)
+        with_outer.average_parameters([w])
+    saved = with_outer.state_dict()
+    with pytest.raises(ValueError, match="saved with an outer optimizer and this averager has none"):
+        AdaAlterAverager(period=2).load_state_dict(saved)
+    with pytest.raises(ValueError, match="saved without an outer optimizer and this averager has one"):
+        AdaAlterAverager(period=2, outer=OuterSGD()).load_state_dict(AdaAlterAverager(period=2).state_dict(), [w])
+    other = AdaAlterAverager(period=3, outer=OuterSGD(lr=0.7))
+    with pytest.raises(ValueError, match="checkpoint schedule has `period`=2"):
+        other.load_state_dict(saved, [w])
+    assert not other.outer.has_anchor  # refused: nothing loaded
 
 
 def test_outer_state_must_match_between_checkpoint_and_optimizer():

@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_hooks import (AdaAlterAverager, LocalAdaAlter, LocalSGDState, SparsifyState, build_local_adaalter,
-                       local_sgd_hook, sparsify_hook)
+from ddp_hooks import (AdaAlterAverager, LocalAdaAlter, LocalSGDState, OuterSGD, SparsifyState,
+                       build_local_adaalter, local_sgd_hook, sparsify_hook)
 from ddp_hooks.testing import run_distributed
 
 
@@ -58,6 +58,14 @@ def _cases(rank, world):
     opt = LocalAdaAlter(model.parameters(), lr=0.5 if rank == 0 else 0.25, eps=1.0, period=2)
     out["lr"] = _error(_train_step(model, opt, rank))
 
+    # Another lazy correction, another outer optimizer.
+    model = DDP(_model())
+    _, opt = build_local_adaalter(model, lr=0.5, period=2, lazy_correction="rate" if rank == 0 else "paper")
+    out["rule"] = _error(_train_step(model, opt, rank))
+    model = DDP(_model())
+    _, opt = build_local_adaalter(model, lr=0.5, period=2, outer_lr=0.7, outer_momentum=[0.9, 0.5][rank])
+    out["outer"] = _error(_train_step(model, opt, rank))
+
     # Ranks resumed from checkpoints of different steps.
     model = DDP(_model())
     hook_state, opt = build_local_adaalter(model, lr=0.5, eps=1.0, period=4, warmup_steps=1)
@@ -71,6 +79,11 @@ def _cases(rank, world):
     averager = AdaAlterAverager(period=3 + rank)
     out["averager_period"] = _error(lambda: (_train_step(model, sgd, rank)(),
                                              averager.average_parameters(model.parameters())))
+    model = DDP(_model())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = AdaAlterAverager(period=3, outer=OuterSGD(lr=[0.7, 0.5][rank]))
+    out["averager_outer"] = _error(lambda: (_train_step(model, sgd, rank)(),
+                                            averager.average_parameters(model.parameters())))
 
     # A GradScaler given to one rank's SparsifyState only.
     model = DDP(_model())
@@ -99,6 +112,10 @@ EXPECTED = {
     "lr": ("ValueError", "ranks were built with different Local AdaAlter settings"),
     "resumed_steps": ("ValueError", "rank 0 has step=3 but rank 1 has step=4; "),
     "averager_period": ("ValueError", "rank 0 has period=3 but rank 1 has period=4; "),
+    "rule": ("ValueError", "rank 0 has lazy_correction=2, groups_crc32="),
+    "outer": ("ValueError", "rank 0 has outer_momentum=0.9 but rank 1 has outer_momentum=0.5"),
+    "averager_outer": ("ValueError", "ranks were built with different outer optimizers: rank 0 has outer_lr=0.7 but "
+                                     "rank 1 has outer_lr=0.5; every rank must take the same outer"),
     "grad_scaler": ("ValueError", "ranks were built with different SparsifyState options"),
     "sparsify_no_group": ("RuntimeError", "sparsify_hook was called but torch.distributed has no process group; "
                                           "call torch.distributed.init_process_group before training"),

@@ -66,21 +66,15 @@ def _steps(averager, w, n):
     return out
 
 
-def test_average_parameters_applies_the_outer_step_from_the_end_of_warm_up():
-    w = torch.zeros(1)
-    averager = AdaAlterAverager(period=2, warmup_steps=1, outer=OuterSGD(lr=2.0, momentum=0.0))
-    assert _steps(averager, w, 5) == [False, False, True, False, True]
-    # warm-up: w = -1 (the anchor); round 1: -1 -2 -3 = -6, outer doubles the step: -1 - 2 * 5 = -11;
-    # round 2: -11 -4 -5 = -20, doubled: -11 - 2 * 9 = -29
-    assert w.item() == -29.0
-
-
-def test_average_parameters_without_warm_up_averages_the_first_round_plainly():
-    w = torch.zeros(1)
-    averager = AdaAlterAverager(period=2, outer=OuterSGD(lr=2.0, momentum=0.0))
-    _steps(averager, w, 4)
-    # round 1 (the start was never seen): -1 -2 = -3 kept; round 2: -3 -3 -4 = -10, doubled: -3 - 2 * 7 = -17
-    assert w.item() == -17.0
+def test_average_parameters_takes_the_outer_step_from_the_second_averaging_on():
+    for warmup, calendar, want in ((1, [False, False, True, False, True], -24.0),
+                                   (0, [False, True, False, True, False], -22.0)):
+        w = torch.zeros(1)
+        averager = AdaAlterAverager(period=2, warmup_steps=warmup, outer=OuterSGD(lr=2.0, momentum=0.0))
+        assert _steps(averager, w, 5) == calendar
+        # warm-up 1: -1 | -3 -6, the first averaging keeps -6 | -10 -15, doubled from -6: -6 - 2 * 9 = -24
+        # warm-up 0: -1 -3, kept | -6 -10, doubled from -3: -3 - 2 * 7 = -17 | step 5: -17 - 5 = -22
+        assert w.item() == want, (warmup, w.item())
 
 
 def _ranks_run(rank, world_size):

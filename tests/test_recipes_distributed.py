@@ -192,6 +192,33 @@ def test_resume_after_a_kill_between_two_ranks_saves(runs, tmp_path):
         assert "(epochs per rank: [[2], []])" in error, error  # rank 0 keeps epoch 2 twice (latest, previous)
 
 
+def _resume_error(rank, world_size, argv):
+    try:
+        train_cifar.main(train_cifar.parse_args(argv))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(not _has_local_sgd(), reason="needs PyTorch's post_localSGD_hook")
+def test_resume_with_another_lazy_correction_or_outer_optimizer_is_refused(runs, tmp_path):
+    """A checkpoint's param groups would otherwise win over the flags, silently."""
+    import shutil
+
+    base, _ = runs
+    name = "local_sgd-local_adaalter"
+    for flag, value in (("--lazy-correction", "paper"), ("--outer-momentum", "0.5")):
+        out_dir = str(tmp_path / flag)
+        shutil.copytree(os.path.join(base, name, "straight"), out_dir)
+        argv = _argv(name, base, "")
+        argv[argv.index(flag) + 1] = value
+        errors = run_distributed(_resume_error, 2, argv + ["--epochs", "3", "--out-dir", out_dir, "--resume"],
+                                 timeout=120)
+        key = flag[2:].replace("-", "_")
+        assert all(e is not None and "written by another configuration" in e and f"'{key}'" in e for e in errors), \
+            errors
+
+
 def _epoch2(runs, name):
     return runs[1][0][name]["straight"]["records"][1]
 
