@@ -78,7 +78,7 @@ def test_defaults_of_owned_options_are_filled_for_their_owner_only():
     from comm_setup import build_optimizer
     w = torch.nn.Parameter(torch.zeros(2))
     opt = build_optimizer(ada, [w], None)
-    assert opt.averager.outer is None and opt.param_groups[0]["lazy_correction"] == "paper"
+    assert opt.averager.outer is None and opt.param_groups[0]["lazy_correction"] == "rate"
     outer = _args("--hook", "local_sgd", "--optimizer", "local_adaalter", "--lazy-correction", "constant",
                   "--outer-lr", "0.7", "--outer-momentum", "0.9")
     opt = build_optimizer(outer, [w], None)
