@@ -76,6 +76,7 @@ class Method:
             aggregation=self.aggregation, no_error_feedback=False, warmup_steps=self.hook_warmup, hook_seed=0,
             powersgd_rank=self.powersgd_rank, optimizer=self.optimizer, lr=LR, momentum=0.0, weight_decay=0.0,
             eps={"adagrad": 1e-10, "local_adaalter": 1.0}.get(self.optimizer), period=self.period,
+            lazy_correction=None, outer_lr=1.0, outer_momentum=0.0,  # Local AdaAlter's defaults
             # step times in the steady state: no density warm-up inside the timed windows
             block_size=16, density_warmup_steps=0)
 

@@ -12,7 +12,8 @@ model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.L
 ddp_model = DistributedDataParallel(model)
 opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)  # yours, unchanged
 
-# The one added line: random-block at density 0.01 (1 % of the entries per layer per step).
+# The one added line: random-block at density 0.01 (1 % of the entries per layer per step, once the density
+# warm-up has brought it down from 1: over 1000 steps by default, so this short run sends about half).
 state = SparsifyState(method="random_block", density=0.01)
 ddp_model.register_comm_hook(state, sparsify_hook)
 

@@ -214,7 +214,7 @@ def _amp_and_unused(rank):
            "amp_agreements": opt.amp_agreements}
     # 2. A parameter that only rank 0 ever gives a gradient, without DDP: averaged all the same.
     used, extra = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.full((3,), 7.0))
-    opt2 = LocalAdaAlter([used, extra], lr=0.5, eps=1.0, period=2)
+    opt2 = LocalAdaAlter([used, extra], lr=0.5, eps=1.0, period=2, lazy_correction="paper")  # (see the check)
     for _ in range(2):
         used.grad = torch.full((2,), float(rank + 1))
         extra.grad = torch.ones(3) if rank == 0 else None

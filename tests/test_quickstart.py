@@ -26,4 +26,6 @@ def test_script_trains_with_the_hook_under_torchrun(tmp_path):
     line = next(line for line in proc.stdout.splitlines() if line.startswith("loss "))
     assert float(line.split()[1].rstrip(";")) < 0.3  # chance is ln 2 = 0.69
     assert "'compressed_steps': 300" in line  # the hook ran at every step
+    ratio = float(line.split("'compression_ratio': ")[1].split(",")[0])
+    assert 1.5 < ratio < 2.5  # the density fell from 1 (dense: 1.0) as its warm-up prescribes
     assert sorted(os.listdir(tmp_path)) == ["quickstart-rank0.pt", "quickstart-rank1.pt"]

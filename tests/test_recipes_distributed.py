@@ -241,6 +241,17 @@ def test_bytes_of_sparsify(runs):
     assert stats["bytes_sent"] == _epoch2(runs, "sparsify-block-global")["bytes_sent_total"]
 
 
+def test_metrics_name_what_tells_runs_apart_and_the_plot_labels_them_so(runs):
+    import plot
+
+    labels = {name: plot.label_of(_epoch2(runs, name)) for name in
+              ("sparsify-topk-allgather", "sparsify-block-global", "powersgd-adagrad", "allreduce-sgd")}
+    assert labels == {"sparsify-topk-allgather": "topk d=0.1", "sparsify-block-global": "random_block d=0.1",
+                      "powersgd-adagrad": "powersgd rank 2", "allreduce-sgd": "allreduce/sgd"}
+    if "local_sgd-local_adaalter" in COMBOS:
+        assert plot.label_of(_epoch2(runs, "local_sgd-local_adaalter")) == "local_adaalter H=3"
+
+
 def test_cli_through_torchrun(tmp_path):
     """The real command line: torchrun, 2 processes; accuracy rises above chance; a table is printed."""
     out_dir = tmp_path / "run"
