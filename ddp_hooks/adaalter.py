@@ -77,7 +77,7 @@ from .adaalter_checkpoint import check_loadable
 from .averager import AdaAlterAverager
 from .lazy_correction import check_rule, denominator
 from .local_sgd import LocalSGDState, local_sgd_hook
-from .outer_sgd import OuterSGD
+from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule, _register_owner, driver_settings
 
 __all__ = ["LocalAdaAlter", "build_local_adaalter"]
@@ -217,10 +217,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         return dist.get_rank(self.process_group)
 
     def _settings(self) -> Dict[str, Any]:
-        outer = self.averager.outer
-        return {**driver_settings(self.param_groups),
-                "outer_lr": outer.lr if outer else 1.0, "outer_momentum": outer.momentum if outer else 0.0,
-                "outer_nesterov": bool(outer.nesterov) if outer else True}
+        return {**driver_settings(self.param_groups), **outer_settings(self.averager.outer)}
 
     def _check_ranks(self) -> None:
         """Before the first step's collectives: all ranks built alike? (Done by the hook when it ran first.)"""
@@ -286,13 +283,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
         local = [self.state[p]["local_sq"] for p in params]
         self.averager.average_(params + local)
         outer = self.averager.outer
-        if outer is not None:
-            # The first averaging (or the first after loading a state without one) only sets the start:
-            # averaged parameters are the same on every rank, whatever happened before.
-            if outer.has_anchor:
-                outer.step_(params)
-            else:
-                outer.set_anchor(params)
+        if outer is not None:  # (after loading a state without one, the next averaging is its start)
+            outer.apply_(params)
         round_steps = self.schedule.period
         for group in self.param_groups:
             for p in group["params"]:

@@ -67,7 +67,5 @@ def check_loadable(state_dict: Dict[str, Any], params: List[torch.Tensor], world
             f"outer_momentum={outer_state['momentum']}) and this optimizer has none; build it with the saved "
             "outer_lr and outer_momentum to resume"
         )
-    if outer is not None:
-        empty = {"lr": outer.lr, "momentum": outer.momentum, "nesterov": outer.nesterov, "anchors": [],
-                 "velocities": []}
-        OuterSGD(outer.lr, outer.momentum, outer.nesterov).load_state_dict(outer_state or empty, params)  # a copy
+    if outer is not None and outer_state is not None:
+        OuterSGD(outer.lr, outer.momentum, outer.nesterov).load_state_dict(outer_state, params)  # on a copy

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ._validate import check_process_group
 from .collectives import check_same_on_all_ranks
-from .outer_sgd import OuterSGD
+from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule
 
 __all__ = ["AdaAlterAverager"]
@@ -161,22 +161,15 @@ class AdaAlterAverager:
         due = self.schedule.advance()
         if due:
             self.average_(params)
-            outer = self.outer
-            if outer is not None and not outer.is_plain_average:
-                if outer.has_anchor:
-                    outer.step_(params)
-                else:
-                    outer.set_anchor(params)
+            if self.outer is not None and not self.outer.is_plain_average:
+                self.outer.apply_(params)
         return due
 
     def _check_outer_across_ranks(self, world: int, device) -> None:
         """Once: ranks with different outer optimizers would leave the average at different places."""
         if self._outer_checked:
             return
-        outer = self.outer
-        settings = {"outer": outer is not None, "outer_lr": outer.lr if outer else 1.0,
-                    "outer_momentum": outer.momentum if outer else 0.0,
-                    "outer_nesterov": outer.nesterov if outer else True}
+        settings = {"outer": self.outer is not None, **outer_settings(self.outer)}
         check_same_on_all_ranks(settings, self.process_group, world, device, "outer optimizers",
                                 "every rank must take the same outer step from the same average")
         self._outer_checked = True

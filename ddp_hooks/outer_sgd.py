@@ -38,7 +38,7 @@ import torch
 
 from ._validate import check_bool, check_float
 
-__all__ = ["OuterSGD"]
+__all__ = ["OuterSGD", "outer_settings"]
 
 
 class OuterSGD:
@@ -82,6 +82,14 @@ class OuterSGD:
         if self.velocities is None:
             self.velocities = [torch.zeros_like(p) for p in self.anchors]
 
+    def apply_(self, params: List[torch.Tensor]) -> None:
+        """At an averaging: the outer step from the anchor, or at the first (no anchor yet) only remember
+        the average, which every rank shares, as the start."""
+        if self.anchors is None:
+            self.set_anchor(params)
+        else:
+            self.step_(params)
+
     @torch.no_grad()
     def step_(self, params: List[torch.Tensor]) -> None:
         """Replace the averaged ``params`` by the outer step from the anchor; the result is the next anchor."""
@@ -120,3 +128,10 @@ class OuterSGD:
                              "it was saved from a different model")
         self.anchors = [a.to(device=p.device, dtype=p.dtype).clone() for a, p in zip(anchors, like)]
         self.velocities = [v.to(device=p.device, dtype=p.dtype).clone() for v, p in zip(velocities, like)]
+
+
+def outer_settings(outer: Optional[OuterSGD]) -> Dict[str, object]:
+    """The cross-rank checks' view of an outer optimizer; ``None`` reads as plain averaging."""
+    if outer is None:
+        return {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": True}
+    return {"outer_lr": outer.lr, "outer_momentum": outer.momentum, "outer_nesterov": outer.nesterov}

@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._validate import check_int
 from .collectives import check_same_on_all_ranks
 from .lazy_correction import RULE_CODES, check_rule
+from .outer_sgd import outer_settings
 
 __all__ = ["LocalAdaAlterSchedule"]
 
@@ -164,7 +165,7 @@ class LocalAdaAlterSchedule:
 
 # Settings of the cross-rank check for a schedule without an optimizer (same keys as the optimizer's).
 _NO_DRIVER = {"optimizer": False, "lr": 0.0, "eps": 0.0, "lazy_correction": 0, "param_groups": 0,
-              "averaged_numel": 0, "groups_crc32": 0, "outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": True}
+              "averaged_numel": 0, "groups_crc32": 0, **outer_settings(None)}
 
 
 def driver_settings(param_groups) -> Dict:
