@@ -72,7 +72,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._validate import check_float, check_process_group
+from ._internal.validation import check_float, check_process_group
 from .adaalter_checkpoint import check_loadable
 from .averager import AdaAlterAverager
 from .lazy_correction import check_rule, denominator

@@ -26,8 +26,8 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._validate import check_process_group
-from .collectives import check_same_on_all_ranks
+from ._internal.validation import check_process_group
+from ._internal.collectives import check_same_on_all_ranks
 from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule
 

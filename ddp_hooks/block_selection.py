@@ -51,7 +51,7 @@ from typing import NamedTuple, Sequence, Tuple
 import torch
 
 from .randomk_selection import random_subsets
-from .seeding import derive_seeds, uniform_below
+from ._internal.seeding import derive_seeds, uniform_below
 
 __all__ = ["random_blocks", "blocks_drawn"]
 

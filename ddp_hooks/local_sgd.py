@@ -35,8 +35,8 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ._validate import check_group_ready, check_hook_call, check_int, check_process_group
-from .collectives import allreduce_mean, completed_future
+from ._internal.validation import check_group_ready, check_hook_call, check_int, check_process_group
+from ._internal.collectives import allreduce_mean, completed_future
 from .schedule import LocalAdaAlterSchedule, _find_owner
 
 __all__ = ["LocalSGDState", "local_sgd_hook"]

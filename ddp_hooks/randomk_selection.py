@@ -39,7 +39,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .seeding import _GAMMA, derive_seed, derive_seeds, generator_for, splitmix64_tensor, uniform_below
+from ._internal.seeding import GAMMA, derive_seed, derive_seeds, generator_for, splitmix64_tensor, uniform_below
 
 __all__ = ["random_subsets"]
 
@@ -127,7 +127,7 @@ def _plan(offsets, sizes, ks, keys, draws, device) -> _Plan:
     unit = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=sum(draws))
     first = torch.cumsum(counts, 0) - counts
     j = torch.arange(unit.numel(), device=device) - first.index_select(0, unit)
-    return _Plan(offsets, sizes, ks, keys, draws, unit, j * _GAMMA,
+    return _Plan(offsets, sizes, ks, keys, draws, unit, j * GAMMA,
                  torch.tensor(sizes, device=device).index_select(0, unit),
                  torch.tensor(offsets, device=device).index_select(0, unit),
                  first, first + counts - 1, torch.tensor(ks, device=device), torch.tensor(keys, device=device),

@@ -39,7 +39,7 @@ import torch
 
 from .block_selection import random_blocks
 from .randomk_selection import random_subsets
-from .seeding import SHARED
+from ._internal.seeding import SHARED
 from .topk_selection import topk_units
 
 METHODS = ("topk", "randomk", "random_block")

@@ -94,8 +94,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from ._validate import check_hook_call
-from .collectives import allreduce_mean
+from ._internal.validation import check_hook_call
+from ._internal.collectives import allreduce_mean
 from .selection import Unit
 from .last_update import UpdateRecord
 from .sparsify_exchange import _commit, _decay, _launch, _launch_global, _scan

@@ -16,10 +16,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import allgather, allreduce_sum
+from ._internal.collectives import allgather, allreduce_sum
 from .last_update import UpdateRecord, present_update
 from .residuals import GLOBAL_BUCKET
-from .seeding import SHARED
+from ._internal.seeding import SHARED
 from .selection import Unit, select, select_topk
 from .sparse_output import zero_at
 from .sparsify_state import SparsifyState

@@ -53,7 +53,7 @@ from typing import Tuple
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._validate import check_float
+from ._internal.validation import check_float
 from .sparsify import sparsify_hook
 from .sparsify_state import RANDOM_METHODS, SparsifyState
 

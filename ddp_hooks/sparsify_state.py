@@ -10,8 +10,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._validate import check_bool, check_choice, check_float, check_group_ready, check_int, check_process_group
-from .collectives import check_same_on_all_ranks
+from ._internal.validation import check_bool, check_choice, check_float, check_group_ready, check_int, check_process_group
+from ._internal.collectives import check_same_on_all_ranks
 from .last_update import LastUpdates
 from .residuals import Layout, ResidualStore
 from .selection import METHODS

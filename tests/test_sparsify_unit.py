@@ -5,7 +5,7 @@ import torch
 
 from ddp_hooks import SparsifyState
 from ddp_hooks.residuals import ResidualStore
-from ddp_hooks.seeding import SHARED, derive_seed
+from ddp_hooks._internal.seeding import SHARED, derive_seed
 from ddp_hooks.selection import Unit, budget, select
 
 
@@ -208,11 +208,11 @@ def test_random_subsets_cover_all_positions_alike_across_steps():
 
 
 def test_tensor_mixer_equals_the_python_one():
-    from ddp_hooks.seeding import _splitmix64, _to_signed, splitmix64_tensor
+    from ddp_hooks._internal.seeding import splitmix64, splitmix64_tensor, to_signed
 
     values = [0, 1, 2**62 + 12345, -(2**63), -1, 987654321987654321]
     mixed = splitmix64_tensor(torch.tensor(values)).tolist()
-    assert mixed == [_to_signed(_splitmix64(v & ((1 << 64) - 1))) for v in values]
+    assert mixed == [to_signed(splitmix64(v & ((1 << 64) - 1))) for v in values]
 
 
 def test_selection_does_not_touch_the_global_rng():

@@ -1,4 +1,4 @@
-"""Future-returning collectives used by the hooks.
+"""Future-returning collectives used by the hooks, the group's size and rank, and cross-rank agreement.
 
 All of them average by dividing *before* the collective, as PyTorch's
 ``allreduce_hook`` does, so half-precision sums cannot overflow.
@@ -6,11 +6,19 @@ All of them average by dividing *before* the collective, as PyTorch's
 
 from __future__ import annotations
 
-import struct
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .codec import Setting, int64_to_setting, setting_to_int64
+
+
+def world_size_and_rank(group=None) -> Tuple[int, int]:
+    """The group's size and this process's rank in it; ``(1, 0)`` without torch.distributed (one process)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def completed_future(value) -> torch.futures.Future:
@@ -76,21 +84,6 @@ def allgather_many(tensors: List[torch.Tensor], group, world_size: int) -> torch
     return allgather(packed, group, world_size).then(unpack)
 
 
-Setting = Union[int, float, bool]
-
-
-def _to_int64(value: Setting) -> int:
-    if isinstance(value, float):  # the exact bits, so 0.1 and 0.1000001 differ
-        return struct.unpack("<q", struct.pack("<d", value))[0]
-    return int(value)
-
-
-def _from_int64(code: int, like: Setting) -> Setting:
-    if isinstance(like, float):
-        return struct.unpack("<d", struct.pack("<q", code))[0]
-    return bool(code) if isinstance(like, bool) else code
-
-
 def check_same_on_all_ranks(
     settings: Dict[str, Setting],
     group,
@@ -118,12 +111,12 @@ def check_same_on_all_ranks(
     if world_size == 1:
         return
     names, values = list(settings), list(settings.values())
-    mine = torch.tensor([_to_int64(v) for v in values], dtype=torch.int64, device=device)
+    mine = torch.tensor([setting_to_int64(v) for v in values], dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(rows, mine, group=group)
     for r, row in enumerate(rows):
         if not torch.equal(row, rows[0]):
-            first, theirs = ({k: _from_int64(c, v) for k, c, v in zip(names, codes, values)}
+            first, theirs = ({k: int64_to_setting(c, v) for k, c, v in zip(names, codes, values)}
                              for codes in (rows[0].tolist(), row.tolist()))
             if describe is None:  # name only the settings that differ
                 differ = [k for k in names if first[k] != theirs[k]]

@@ -11,7 +11,7 @@ turn, so nearby inputs give unrelated seeds.
 
 Example::
 
-    >>> from ddp_hooks.seeding import derive_seed
+    >>> from ddp_hooks._internal.seeding import derive_seed
     >>> derive_seed(0, 5, 3) == derive_seed(0, 5, 3)
     True
     >>> derive_seed(0, 5, 3) != derive_seed(0, 6, 3)
@@ -28,7 +28,8 @@ _MASK64 = (1 << 64) - 1
 SHARED = -1
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
+    """One SplitMix64 step of a 64-bit int (Python ints, masked to 64 bits)."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -45,20 +46,21 @@ def derive_seed(seed: int, step: int, unit: int, rank: int = SHARED) -> int:
             bucket index (bucket scope), or 0 (global scope).
         rank (int): the rank for rank-specific choices, or ``SHARED`` (-1).
     """
-    h = _splitmix64(seed & _MASK64)
+    h = splitmix64(seed & _MASK64)
     for part in (step, unit, rank):
-        h = _splitmix64(h ^ (part & _MASK64))
+        h = splitmix64(h ^ (part & _MASK64))
     return h
 
 
-def _to_signed(x: int) -> int:
+def to_signed(x: int) -> int:
     """A 64-bit pattern as the int64 value torch stores for it."""
     return x - (1 << 64) if x >= (1 << 63) else x
 
 
-_GAMMA = _to_signed(0x9E3779B97F4A7C15)
-_MUL1 = _to_signed(0xBF58476D1CE4E5B9)
-_MUL2 = _to_signed(0x94D049BB133111EB)
+#: The SplitMix64 increment as an int64 (the stride between a stream's draws).
+GAMMA = to_signed(0x9E3779B97F4A7C15)
+_MUL1 = to_signed(0xBF58476D1CE4E5B9)
+_MUL2 = to_signed(0x94D049BB133111EB)
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -79,10 +81,10 @@ def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
 
         >>> import torch
         >>> x = torch.tensor([0, 1, 2**40])
-        >>> splitmix64_tensor(x).tolist() == [_to_signed(_splitmix64(v)) for v in (0, 1, 2**40)]
+        >>> splitmix64_tensor(x).tolist() == [to_signed(splitmix64(v)) for v in (0, 1, 2**40)]
         True
     """
-    x = x + _GAMMA
+    x = x + GAMMA
     shifted = torch.empty_like(x)  # the rounds run in place: two buffers, not one per operation
     for bits, multiplier in ((30, _MUL1), (27, _MUL2), (31, None)):
         torch.bitwise_right_shift(x, bits, out=shifted).bitwise_and_((1 << (64 - bits)) - 1)  # logical shift
@@ -102,12 +104,12 @@ def derive_seeds(seed: int, step: int, units: torch.Tensor, rank: int = SHARED) 
 
         >>> import torch
         >>> got = derive_seeds(7, 3, torch.tensor([0, 5]), rank=2).tolist()
-        >>> got == [_to_signed(derive_seed(7, 3, u, 2)) for u in (0, 5)]
+        >>> got == [to_signed(derive_seed(7, 3, u, 2)) for u in (0, 5)]
         True
     """
-    h = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
-    h = splitmix64_tensor(units ^ _to_signed(h))
-    return splitmix64_tensor(h ^ _to_signed(rank & _MASK64))
+    h = splitmix64(splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    h = splitmix64_tensor(units ^ to_signed(h))
+    return splitmix64_tensor(h ^ to_signed(rank & _MASK64))
 
 
 def uniform_below(bits: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
