@@ -1,5 +1,13 @@
+"""Shared fixtures; puts this folder on ``sys.path`` so that tests in its subfolders import its helpers
+(``small_mlp``) by module name."""
+
+import os
+import sys
+
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
