@@ -5,11 +5,12 @@ Run (about 20 s on 2 cores)::
     python -m pytest bench/bench_sparsify_kernels.py -p no:cacheprovider
 
 Each row runs what :func:`ddp_hooks.sparsify_hook` does for one bucket at
-world size 1, through the hook's own functions (:mod:`ddp_hooks.sparsify_exchange`):
+world size 1, through the hook's own functions (:mod:`ddp_hooks.sparsify.exchange`,
+:mod:`ddp_hooks.sparsify.commit`):
 the finiteness scan, selection, compensation, packing (compression), then the
 verdict, the residual update and the write of the averaged values
 (decompression) into the result vector the hook returns on the CPU, kept at
-zero between steps (:mod:`ddp_hooks.sparse_output`; elsewhere the hook zeroes
+zero between steps (:mod:`ddp_hooks.sparsify.sparse_output`; elsewhere the hook zeroes
 the bucket and writes there: ``bench/compare_result_paths.py`` times both,
 interleaved). Only the collective is absent.
 
@@ -32,8 +33,11 @@ import pytest
 import torch
 
 from ddp_hooks import SparsifyState
-from ddp_hooks.selection import Unit
-from ddp_hooks.sparsify_exchange import _commit, _launch, _scan
+from ddp_hooks.sparsify.commit import commit
+from ddp_hooks.sparsify.exchange import Piece, launch
+from ddp_hooks.sparsify.nonfinite import scan
+from ddp_hooks.sparsify.selectors import Unit
+from ddp_hooks.sparsify.state import Binding
 
 SIZES_MB = (1, 25)
 DENSITIES = (0.01, 0.1)
@@ -65,12 +69,12 @@ class _Bucket:
         self.views = list(self.grad.split(per_layer))
         self.starts = torch.arange(0, numel, per_layer)
         if scope == "layer":
-            self.units = [Unit(i, i * per_layer, per_layer) for i in range(LAYERS)]
+            self.units = tuple(Unit(i, i * per_layer, per_layer) for i in range(LAYERS))
         else:
-            self.units = [Unit(0, 0, numel)]
+            self.units = (Unit(0, 0, numel),)
         state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation,
                               density_warmup_steps=0, block_size=block_size)  # the steady state
-        state._group, state._rank, state._world_size, state._checked = None, 0, 1, True
+        state.binding = Binding(group=None, rank=0, world_size=1)
         self.state = state
         self.into_bucket = into_bucket  # write into the zeroed bucket (GPUs, gradient_as_bucket_view=True)
 
@@ -79,12 +83,13 @@ class _Bucket:
 
     def hook_work(self):
         state = self.state
-        state._begin_step(self.grad.device)
-        marks = _scan(self.grad, self.views, self.starts)
-        flight = _launch(state, self.grad, self.residual, self.units, self.starts, marks, state.step)
+        state.begin_step(self.grad.device)
+        marks = scan(self.grad, self.views, self.starts)
+        piece = Piece(grad=self.grad, units=self.units, starts=self.starts, marks=marks, residual=self.residual)
+        flight = launch(state, piece, step=state.step, density=state.density_at(state.step))
         if not self.into_bucket:  # as the hook on the CPU with float32 gradients
-            flight.result = state._results.for_bucket(0, self.grad, self.views, [])
-        _commit(state, [flight], None)
+            flight.result = state.results.for_bucket(0, self.grad, self.views, [])
+        commit(state, [flight], None)
         state.step += 1
 
 
@@ -159,6 +164,6 @@ def test_scan(benchmark, mb, density):
     benchmark.group = _group(mb, density)
     bucket = _Bucket(mb, density, "random_block", "layer", "allreduce")
     bucket.refill()
-    _run_with_own_floor(benchmark, lambda: _scan(bucket.grad, bucket.views, bucket.starts), bucket.refill,
+    _run_with_own_floor(benchmark, lambda: scan(bucket.grad, bucket.views, bucket.starts), bucket.refill,
                         bucket.grad.numel())
     vars(bucket).clear()

@@ -20,9 +20,7 @@ from .baselines import build_local_sgd, build_sync_adagrad
 from .local_sgd import LocalSGDState, local_sgd_hook
 from .outer_sgd import OuterSGD
 from .schedule import LocalAdaAlterSchedule
-from .sparsify import sparsify_hook
-from .sparsify_sgd import build_sparsify_sgd, check_optimizer
-from .sparsify_state import SparsifyState
+from .sparsify import SparsifyState, build_sparsify_sgd, check_optimizer, sparsify_hook
 
 __version__ = "0.1.0"
 

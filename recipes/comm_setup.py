@@ -201,8 +201,7 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad
     if args.hook == "sparsify":
         from ddp_hooks import SparsifyState, sparsify_hook
 
-        # SGD keeps its momentum and weight decay: the hook counts the momentum in sends where the
-        # selector needs it (SparsifyState's optimizer_momentum="auto", as ddp_hooks.build_sparsify_sgd).
+        # build_optimizer pairs SGD with this state as ddp_hooks.build_sparsify_sgd does (paired_sgd).
         state = SparsifyState(
             process_group=process_group, method=args.method, density=args.density, scope=args.scope,
             aggregation=args.aggregation, error_feedback=not args.no_error_feedback,
@@ -225,6 +224,10 @@ def build_optimizer(args, params, exchange: Optional[Exchange] = None,
                     process_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
     """The optimizer of ``args.optimizer`` over ``params`` (local_adaalter: sharing ``exchange``'s schedule)."""
     params = list(params)
+    if args.optimizer == "sgd" and exchange is not None and exchange.kind == "sparsify":
+        from ddp_hooks.sparsify.optimizer import paired_sgd  # the pairing rule of build_sparsify_sgd
+
+        return paired_sgd(exchange.state, params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     if args.optimizer == "adagrad":

@@ -92,8 +92,7 @@ def _mass_error(rank, world, combo, unused_at=None, steps=9, net_class=Net, **dd
         g = _flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in ref.parameters()).double()
         dist.all_reduce(g)
         true_sum += g / world
-    keys, residuals = state._param_keys, state.residuals.state()
-    e = _flat(residuals.get(keys[id(p)], torch.zeros(p.numel())) for p in net.parameters()).double()
+    e = _flat(state.residual_for(p) for p in net.parameters()).double()
     dist.all_reduce(e)
     return (applied + e / world - true_sum).abs().max().item()
 

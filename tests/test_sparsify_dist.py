@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
-from ddp_hooks.selection import budget
+from ddp_hooks.sparsify.selectors import budget
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
 
 COMBOS = [("topk", s, "allgather") for s in ("layer", "bucket", "global")] + [
@@ -35,9 +35,7 @@ def _recording_hook(rec, bucket):
 
 
 def _residual_by_param(state, params):
-    keys = state._param_keys
-    res = state.residuals.state()
-    return {id(p): res.get(keys.get(id(p)), torch.zeros(p.numel())).reshape(p.shape) for p in params}
+    return {id(p): state.residual_for(p) for p in params}
 
 
 def _check_invariants(rank, world, method, scope, aggregation, density, steps=3):

@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, build_sparsify_sgd, check_optimizer, sparsify_hook
-from ddp_hooks.sparsify_state import _float_bits
+from ddp_hooks._internal.codec import float_to_bits
 from ddp_hooks.testing import run_distributed
 from small_mlp import batch, flat, small_mlp
 
@@ -41,7 +41,7 @@ def test_momentum_options_travel_exactly_through_a_checkpoint(tmp_path):
     st.velocities.load({0: torch.full((3,), 2.0)})
     torch.save(st.state_dict(), tmp_path / "s.pt")
     sd = torch.load(tmp_path / "s.pt", weights_only=True)
-    assert sd["config"]["momentum_bits"] == _float_bits(0.9)
+    assert sd["config"]["momentum_bits"] == float_to_bits(0.9)
     other = SparsifyState(method="randomk", density=0.2, momentum=0.9, weight_decay=5e-4)
     other.load_state_dict(sd)
     assert torch.equal(other.state_dict()["velocities"][0], torch.full((3,), 2.0))
@@ -209,9 +209,8 @@ def _recording_hook(rec, bucket):
     return sparsify_hook(rec["state"], bucket)
 
 
-def _by_param(store, keys, params):
-    saved = store.state()
-    return torch.cat([saved.get(keys.get(id(p)), torch.zeros(p.numel())).reshape(-1).double() for p in params])
+def _by_param(state_of, params):
+    return torch.cat([state_of(p).reshape(-1).double() for p in params])
 
 
 def _mass(rank, world, steps=12, warmup=2):
@@ -228,14 +227,14 @@ def _mass(rank, world, steps=12, warmup=2):
         worst_velocity = 0.0
         for step in range(steps):
             x = _flat(params).double()
-            w_old = _by_param(state.velocities, state._param_keys, params)
-            e_old = _by_param(state.residuals, state._param_keys, params)
+            w_old = _by_param(state.velocity_for, params)
+            e_old = _by_param(state.residual_for, params)
             model.zero_grad()
             model(_batch(rank, step)).pow(2).sum().backward()
             g = torch.cat([rec["g"][id(p)].reshape(-1) for p in params]).double() + WD * x
             p_comp = e_old + g
-            e_new = _by_param(state.residuals, state._param_keys, params)
-            w_new = _by_param(state.velocities, state._param_keys, params)
+            e_new = _by_param(state.residual_for, params)
+            w_new = _by_param(state.velocity_for, params)
             sent = (e_new == 0) & (p_comp != 0)
             assert step >= warmup or bool(sent.all()), "warm-up sends every position"
             expected_w = torch.where(sent, M * w_old + p_comp, w_old)
@@ -245,7 +244,7 @@ def _mass(rank, world, steps=12, warmup=2):
             with torch.no_grad():  # move the model, so that weight decay sees changing parameters
                 for p in params:
                     p.sub_(0.01 * p.grad)
-        e = _by_param(state.residuals, state._param_keys, params)
+        e = _by_param(state.residual_for, params)
         dist.all_reduce(e)
         dist.all_reduce(inflow)
         err = (applied + e / world - inflow / world).abs().max().item()

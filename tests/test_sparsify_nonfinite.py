@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
-from ddp_hooks.sparsify_exchange import _fill_if
+from ddp_hooks.sparsify.nonfinite import fill_if
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
 from test_sparsify_dist import COMBOS, _batch, _model
 
@@ -157,13 +157,13 @@ def test_fill_if_sync_free_path_matches_the_host_path():
     for flag in (True, False):
         for sync_free in (True, False):
             t = torch.arange(5.0)
-            _fill_if(t, torch.tensor(flag), float("nan"), sync_free=sync_free)
+            fill_if(t, torch.tensor(flag), float("nan"), sync_free=sync_free)
             assert torch.isnan(t).all() if flag else torch.equal(t, torch.arange(5.0))
 
 
 def test_scan_tells_zero_finite_and_nonfinite_gradients_apart():
     """Marks 0 (no gradient), 1 (finite gradient), NaN (inf or NaN) for every dtype and every path of the scan."""
-    from ddp_hooks.sparsify_exchange import _scan
+    from ddp_hooks.sparsify.nonfinite import scan
 
     late = torch.zeros(6)
     late[4] = -2.0  # first entry zero, gradient not: the scan must read the whole parameter
@@ -186,20 +186,20 @@ def test_scan_tells_zero_finite_and_nonfinite_gradients_apart():
             views = list(buffer.split([g.numel() for g in grads]))
             views = [v.view(g.shape) for v, g in zip(views, grads)]
             starts = torch.tensor([0] + [g.numel() for g in grads[:-1]]).cumsum(0)
-            marks = _scan(buffer, views, starts)
+            marks = scan(buffer, views, starts)
             assert marks.dtype == torch.float32 and marks.shape == (len(grads),), (dtype, name, marks)
             for got, want in zip(marks.tolist(), expected):
                 assert (got != got) if want is None else got == want, (dtype, name, marks)
 
 
 def test_received_values_are_judged_by_their_entries_not_by_their_sum():
-    from ddp_hooks.sparsify_exchange import _holds_nonfinite
+    from ddp_hooks.sparsify.nonfinite import holds_nonfinite
 
     nan, inf = torch.ones(6), torch.ones(6)
     nan[4], inf[2] = float("nan"), float("inf")
     cases = [(torch.randn(6), False), (torch.full((4,), 3e38), False),  # finite: a float32 sum that overflows
              (nan, True), (inf, True), (torch.zeros(0), False), (torch.full((3, 2), 6e4, dtype=torch.float16), False)]
     for values, expected in cases:
-        got = _holds_nonfinite(values)
+        got = holds_nonfinite(values)
         assert got.dtype == torch.bool and got.dim() == 0 and bool(got) == expected, (values, got)
-    assert bool(_holds_nonfinite(inf.half())) and bool(_holds_nonfinite(nan.to(torch.bfloat16)))
+    assert bool(holds_nonfinite(inf.half())) and bool(holds_nonfinite(nan.to(torch.bfloat16)))

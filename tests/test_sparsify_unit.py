@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from ddp_hooks import SparsifyState
-from ddp_hooks.residuals import ResidualStore
+from ddp_hooks.sparsify.residuals import ResidualStore
 from ddp_hooks._internal.seeding import SHARED, derive_seed
-from ddp_hooks.selection import Unit, budget, select
+from ddp_hooks.sparsify.selectors import Unit, budget, select
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
@@ -163,7 +163,7 @@ def test_random_choice_is_a_function_of_seed_step_unit_and_rank():
 
 
 def test_large_random_subsets_are_uniform_and_distinct():
-    from ddp_hooks.randomk_selection import random_subsets
+    from ddp_hooks.sparsify.selectors.randomk import random_subsets
 
     idx = random_subsets([0, 10_000_000], [10_000_000, 500_000], [100_000, 5_000], [1, 2], 0, 0, SHARED,
                          torch.device("cpu"))
@@ -177,7 +177,7 @@ def test_large_random_subsets_are_uniform_and_distinct():
 
 def test_a_unit_short_of_draws_draws_more_and_chooses_alike(monkeypatch):
     """The choice is the first k distinct draws: how many are drawn up front changes nothing, and too few is mended."""
-    import ddp_hooks.randomk_selection as randomk
+    import ddp_hooks.sparsify.selectors.randomk as randomk
 
     args = ([0, 3000, 3100], [3000, 100, 5000], [300, 60, 50], [4, 5, 6], 7, 3, SHARED, torch.device("cpu"))
     expected = randomk.random_subsets(*args)
@@ -192,7 +192,7 @@ def test_a_unit_short_of_draws_draws_more_and_chooses_alike(monkeypatch):
 
 
 def test_random_subsets_cover_all_positions_alike_across_steps():
-    from ddp_hooks.randomk_selection import random_subsets
+    from ddp_hooks.sparsify.selectors.randomk import random_subsets
 
     # a large unit and a small one, over many steps
     n_big, n_small, counts_big, counts_small = 8192, 40, torch.zeros(8192), torch.zeros(40)
@@ -254,7 +254,7 @@ def test_state_dict_loads_with_weights_only(tmp_path):
 
 @pytest.mark.parametrize("n,k", [(1 << 20, 1000), (1 << 20, 60_000), (300_000, 17), (1 << 20, 200_000)])
 def test_fast_topk_equals_torch_topk(n, k):
-    from ddp_hooks.topk_selection import topk_units
+    from ddp_hooks.sparsify.selectors.topk import topk_units
 
     x = torch.randn(n)
     x[::7] *= 10  # structure aligned with no particular stride
@@ -265,7 +265,7 @@ def test_fast_topk_equals_torch_topk(n, k):
 
 
 def test_fast_topk_of_many_units_equals_torch_topk_per_unit():
-    from ddp_hooks.topk_selection import topk_units
+    from ddp_hooks.sparsify.selectors.topk import topk_units
 
     sizes = [5, 40_000, 100, 70_000, 3, 200_000]
     offsets = [sum(sizes[:i]) + 2 * i for i in range(len(sizes))]  # gaps between units are never chosen
@@ -281,7 +281,7 @@ def test_fast_topk_of_many_units_equals_torch_topk_per_unit():
 
 
 def test_fast_topk_falls_back_when_the_sample_misleads():
-    from ddp_hooks.topk_selection import topk_units
+    from ddp_hooks.sparsify.selectors.topk import topk_units
 
     x = torch.zeros(1 << 20)
     x[1::2] = torch.rand(1 << 19) + 1  # the strided sample sees only zeros
@@ -299,7 +299,7 @@ def test_a_state_saved_before_block_size_existed_still_loads(caplog):
     with pytest.raises(ValueError, match=r"saved with .*density_warmup_steps=0 but .*density_warmup_steps=1000"):
         SparsifyState(method="random_block", density=0.2, seed=3).load_state_dict(sd)  # it ran no density warm-up
     state = SparsifyState(method="random_block", density=0.2, seed=3, density_warmup_steps=0)
-    with caplog.at_level("WARNING", logger="ddp_hooks.sparsify_state"):
+    with caplog.at_level("WARNING", logger="ddp_hooks.sparsify.state"):
         state.load_state_dict(sd)
     assert "saved before block_size, optimizer_momentum existed" in caplog.text
     assert state.step == 3 and torch.equal(state.state_dict()["residuals"][0], sd["residuals"][0])

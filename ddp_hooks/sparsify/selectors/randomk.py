@@ -1,4 +1,4 @@
-"""Uniform random k-subsets of many units at once, from a counter-based hash.
+"""Random-k: a uniform random k-subset of each unit, for many units at once, from a counter-based hash.
 
 Each unit ``u`` (a range ``[offset_u, offset_u + n_u)`` with budget ``k_u``
 and its own 64-bit seed ``s_u = derive_seed(seed, step, key_u, rank)``, derived on the device)
@@ -39,9 +39,11 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ._internal.seeding import GAMMA, derive_seed, derive_seeds, generator_for, splitmix64_tensor, uniform_below
+from ..._internal.seeding import GAMMA, derive_seed, derive_seeds, generator_for, splitmix64_tensor, uniform_below
 
-__all__ = ["random_subsets"]
+from .base import SelectionRequest, Selector
+
+__all__ = ["RandomK", "random_subsets"]
 
 # A unit larger than this whose budget is a quarter of it or more uses randperm.
 _DRAW_LIMIT = 1 << 12
@@ -158,3 +160,16 @@ def _first_distinct_draws(plan: _Plan, seed: int, step: int, rank: int) -> torch
     # a new value is kept while its unit has fewer than k_u: distinct < at_first + k_u
     keep = new_value & (distinct < (at_first + plan.ks_t).index_select(0, plan.unit))
     return torch.masked_select(position, keep)
+
+
+class RandomK(Selector):
+    """A uniform k-subset per unit from ``(seed, step, unit, rank)``: recomputable anywhere, so only values travel."""
+
+    name = "randomk"
+    code = 1
+    leaves_at_random_times = True
+
+    def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
+        units = request.units
+        return random_subsets([u.offset for u in units], [u.numel for u in units], ks, [u.key for u in units],
+                              request.seed, request.step, request.rank, request.where)

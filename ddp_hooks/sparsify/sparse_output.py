@@ -83,6 +83,11 @@ class SparseOutputs:
             out = self._by_bucket[index] = SparseOutput(buffer.numel(), buffer.device)
         return out
 
+    @property
+    def in_use(self) -> bool:
+        """True once some bucket's result went to a vector of this store rather than into the bucket."""
+        return bool(self._by_bucket)
+
     def drop_buckets_after(self, last_index: int) -> None:
         """Forget the vectors of bucket indices past the step's last bucket (DDP rebuilt fewer buckets)."""
         for index in [i for i in self._by_bucket if i > last_index]:

@@ -2,8 +2,8 @@
 
 A selector that loops over a bucket's 50 layers pays 50 times the fixed cost
 of every tensor operation; these helpers let it pay once. They are pure tensor
-functions used by :mod:`ddp_hooks.topk_selection` and
-:mod:`ddp_hooks.randomk_selection`.
+functions used by the top-k selector (:mod:`.topk`) and
+the random-k selector (:mod:`.randomk`).
 
 Example::
 

@@ -9,7 +9,7 @@ arXiv 2009.09271):
    (one pass over the gradient, the floor of any error-feedback method);
    with ``weight_decay`` the gradient term is ``g + wd * x``.
 2. Select ``k = ceil(density * n)`` positions of ``p`` per unit
-   (:mod:`ddp_hooks.selection`). With ``momentum`` m, the rank's velocity
+   (:mod:`ddp_hooks.sparsify.selectors`). With ``momentum`` m, the rank's velocity
    steps at those positions only, ``w = m w + p``, and ``w`` is sent there
    (momentum in sends, not steps: :class:`~ddp_hooks.SparsifyState`).
 3. Keep the rest: ``e = p - c``, i.e. the selected positions of the residual
@@ -20,7 +20,7 @@ arXiv 2009.09271):
    elsewhere), as PyTorch's own hooks do; on the CPU, for float32 buckets
    that are not the gradients' storage, into a vector kept at zero between
    steps instead, so only O(k) entries are cleared and written
-   (:mod:`ddp_hooks.sparse_output`).
+   (:mod:`ddp_hooks.sparsify.sparse_output`).
 
 Steps 1 and 3 happen at the end of the step, when every bucket's exchange
 has finished (DDP waits for all buckets' futures only at the end of backward
@@ -38,7 +38,7 @@ whichever positions it was at. At the end of the step, if any exchange of the
 step carried a non-finite value, the step is discarded on every rank alike:
 the outputs hold NaN (``GradScaler`` skips the step on every rank), and the
 gradient is zeroed before it is folded into the residuals
-(:func:`_update_states`, the one place where per-rank states absorb a
+(:func:`~ddp_hooks.sparsify.error_feedback.fold_step`, the one place where per-rank states absorb a
 gradient), which therefore keep exactly their values from before the step;
 no inf or NaN can enter them. On CPU the verdict is read on the host; on
 other devices a broadcast ``masked_fill_`` keeps the hook free of host syncs.
@@ -54,7 +54,7 @@ error feedback): the velocity of step 2 runs with each parameter's momentum
 ``m`` read from its ``torch.optim.SGD``, and the result written in step 5 is
 ``u_t - m u_{t-1}``, where ``u_t`` is the average over ranks of the sent
 velocities and ``u_{t-1}`` the last step's, kept sparse
-(:mod:`ddp_hooks.last_update`). SGD's buffer ``m buf + grad`` then holds
+(:mod:`ddp_hooks.sparsify.last_update`). SGD's buffer ``m buf + grad`` then holds
 ``u_t`` (plus the momentum of its dense weight decay): its step is
 ``lr u_t``, momentum counted in sends, in the user's unchanged code.
 
@@ -89,45 +89,79 @@ Example (one process, so the average is the rank's own sparse gradient)::
     >>> dist.destroy_process_group()
 """
 
-from typing import List
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ._internal.validation import check_hook_call
-from ._internal.collectives import allreduce_mean
-from .selection import Unit
+from .._internal.collectives import allreduce_mean
+from .._internal.validation import check_hook_call
+from .commit import commit
+from .exchange import Piece, launch
 from .last_update import UpdateRecord
-from .sparsify_exchange import _commit, _decay, _launch, _launch_global, _scan
-from .sparsify_state import SparsifyState
+from .layout import GLOBAL_BUCKET, Layout
+from .nonfinite import scan
+from .selectors import Unit
+from .state import SparsifyState
+from .step_run import StepRun, WaitingBucket
 
 __all__ = ["sparsify_hook"]
 
-def _wait_for_last(state: SparsifyState, buffer: torch.Tensor) -> torch.futures.Future:
+
+def _wait_for_last(run: StepRun, buffer: torch.Tensor) -> torch.futures.Future:
     """The future of a bucket that is not the last: ``buffer`` once the step is committed, or the step's error."""
     def after_commit(step_done):
         step_done.value()  # raises the step's error, so DDP sees a failed future, not a value
         return buffer
 
-    return state._step_done.then(after_commit)
+    return run.done.then(after_commit)
 
 
 def _finish_step(state: SparsifyState, last_buffer: torch.Tensor) -> torch.futures.Future:
     """At the last bucket: once every exchange of the step has finished, commit and complete all futures."""
-    flights, step_done, scale = state._flights, state._step_done, state._scale
-    state._flights = []
+    run = state.run
+    flights, step_done = run.take_flights()
 
-    def commit(all_done):
+    def commit_step(all_done):
         try:
             all_done.value()  # the first failed exchange's error; collect_all may end before the others finish
-            _commit(state, flights, scale)
+            commit(state, flights, run.scale)
         except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
             step_done.set_exception(exc)
             raise
         step_done.set_result(None)
         return last_buffer
 
-    return torch.futures.collect_all([flight.future for flight in flights]).then(commit)
+    return torch.futures.collect_all([flight.future for flight in flights]).then(commit_step)
+
+
+def _decay(state: SparsifyState, params: Sequence[torch.Tensor], layout: Layout, numel: int,
+           device: torch.device) -> Optional[torch.Tensor]:
+    """``weight_decay * x`` laid out like the bucket, in float32, or None without weight decay in the hook."""
+    weight_decay = state.options.weight_decay
+    if weight_decay == 0.0:
+        return None
+    decay = torch.empty(numel, dtype=torch.float32, device=device)
+    for param, (_, offset, n) in zip(params, layout):
+        torch.mul(param.detach().reshape(-1), weight_decay, out=decay[offset:offset + n])
+    return decay
+
+
+def _launch(state: SparsifyState, *, index: int, grad: torch.Tensor, layout: Layout, units, starts, marks,
+            decay, dense: bool, density: float):
+    """Launch the exchange of bucket ``index`` (or GLOBAL_BUCKET) with this rank's states for it."""
+    residual = velocity = None
+    if state.options.error_feedback:
+        residual = state.residuals.bucket_residual(index, layout, grad.numel(), grad.device)
+    momentum = state.send_momentum(layout, grad.device)
+    if momentum is not None:
+        velocity = state.velocities.bucket_residual(index, layout, grad.numel(), grad.device)
+    piece = Piece(grad=grad, units=tuple(units), starts=starts, marks=marks, residual=residual, velocity=velocity,
+                  decay=decay, momentum=0.0 if momentum is None else momentum)
+    flight = launch(state, piece, step=state.step, density=density, everything=dense)
+    if state.counts_momentum_in_sends and not dense:
+        flight.update = UpdateRecord(index, layout, starts, piece.momentum)
+    return flight
 
 
 # No `from __future__ import annotations` in this module: DDP's register_comm_hook
@@ -148,57 +182,55 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         compensated gradient: written into ``bucket.buffer()``, or, for
         float32 buckets on the CPU without ``gradient_as_bucket_view``, into
         a vector of the state kept at zero between steps
-        (:mod:`ddp_hooks.sparse_output`), which DDP copies into ``.grad``
-        alike. It completes when the step's last bucket has been exchanged.
+        (:mod:`ddp_hooks.sparsify.sparse_output`), which DDP copies into
+        ``.grad`` alike. It completes when the step's last bucket has been
+        exchanged.
     """
     check_hook_call("sparsify_hook", state, SparsifyState, bucket)
-    state._bind(bucket)
+    state.bind(bucket)
     index, buffer, last = bucket.index(), bucket.buffer(), bucket.is_last()
-    if index == 0:  # DDP hands buckets over in index order
-        state._begin_step(buffer.device)
+    run = state.begin_step(buffer.device) if index == 0 else state.run  # DDP hands buckets over in index order
     # Parameter keys are assigned at the very first call, warm-up included, so
     # that a resumed run (which starts on DDP's initial buckets) numbers the
     # parameters exactly as the uninterrupted run did.
-    layout, starts = state._layout(bucket)
-    dense = state.step < state.warmup_steps
-    if dense and state.momentum == 0.0 and state.weight_decay == 0.0:
+    layout, starts = state.layouts.of_ddp_bucket(bucket)
+    options = state.options
+    dense = state.step < options.warmup_steps
+    if dense and options.momentum == 0.0 and options.weight_decay == 0.0:
         n = buffer.numel()
-        state._stats.add(n, n * buffer.element_size(), n, n * buffer.element_size())
-        fut = allreduce_mean(buffer, state._group, state._world_size)
+        state.counters.add(n, n * buffer.element_size(), n, n * buffer.element_size())
+        fut = allreduce_mean(buffer, state.binding.group, state.binding.world_size)
         if last:
-            state._end_step(index, compressed=False)
+            state.end_step(index, compressed=False)
         return fut
     gradients = bucket.gradients()  # views of the buffer, one per parameter
-    marks = _scan(buffer, gradients, starts)
+    marks = scan(buffer, gradients, starts)
     result = buffer
     decay = _decay(state, bucket.parameters(), layout, buffer.numel(), buffer.device)
-    density = state.density_at(state.step)
-    if state.scope == "global" and not dense:
-        state._waiting.append((buffer, layout, starts, marks, decay))
+    density = options.density_at(state.step)
+    if options.scope == "global" and not dense:
+        run.waiting.append(WaitingBucket(buffer, layout, starts, marks, decay))
         if not last:
-            return _wait_for_last(state, buffer)
-        state._flights.append(_launch_global(state, state.step, density))
+            return _wait_for_last(run, buffer)
+        joined = run.join_waiting(with_decay=options.weight_decay != 0.0)
+        flight = _launch(state, index=GLOBAL_BUCKET, grad=joined.grad, layout=joined.layout,
+                         units=[Unit(0, 0, joined.grad.numel())], starts=joined.starts, marks=joined.marks,
+                         decay=joined.decay, dense=False, density=density)
+        flight.outputs = joined.buffers
+        run.flights.append(flight)
     else:
-        residual = velocity = None
-        if state.error_feedback:
-            residual = state.residuals.bucket_residual(index, layout, buffer.numel(), buffer.device)
-        momentum = state.send_momentum(layout, buffer.device)
-        if momentum is not None:
-            velocity = state.velocities.bucket_residual(index, layout, buffer.numel(), buffer.device)
-        if state.scope == "layer":
-            units: List[Unit] = [Unit(key, offset, n) for key, offset, n in layout if n]  # an empty one has no budget
+        if options.scope == "layer":
+            units = [Unit(key, offset, n) for key, offset, n in layout if n]  # an empty one has no budget
         else:
             units = [Unit(index, 0, buffer.numel())]
-        flight = _launch(state, buffer, residual, units, starts, marks, state.step, decay, velocity, everything=dense,
-                         density=density, momentum=0.0 if momentum is None else momentum)
-        if state.counts_momentum_in_sends and not dense:
-            flight.update = UpdateRecord(index, layout, starts, 0.0 if momentum is None else momentum)
+        flight = _launch(state, index=index, grad=buffer, layout=layout, units=units, starts=starts, marks=marks,
+                         decay=decay, dense=dense, density=density)
         if not dense:  # where it pays, the result goes to a vector kept at zero between steps
-            flight.result = state._results.for_bucket(index, buffer, gradients, bucket.parameters())
-        state._flights.append(flight)
+            flight.result = state.results.for_bucket(index, buffer, gradients, bucket.parameters())
+        run.flights.append(flight)
         result = buffer if flight.result is None else flight.result.tensor
         if not last:
-            return _wait_for_last(state, result)
+            return _wait_for_last(run, result)
     fut = _finish_step(state, result)
-    state._end_step(index, compressed=not dense)
+    state.end_step(index, compressed=not dense)
     return fut

@@ -10,7 +10,7 @@ unit of ``n`` entries with budget ``k`` and block size ``b``:
    blocks ``[j b, min((j + 1) b, n))``; only the last may be shorter.
 3. **Set.** ``min(ceil(k / b) + 1, B)`` distinct blocks are drawn, every
    subset equally likely, in a random order
-   (:func:`~ddp_hooks.randomk_selection.random_subsets` over block indices).
+   (:func:`~.randomk.random_subsets` over block indices).
 4. **Trim.** The blocks are taken in draw order until ``k`` entries are
    reached: all but the last one taken are whole, the last is cut to its
    first entries. One block more than ``ceil(k / b)`` is drawn so that a
@@ -36,7 +36,7 @@ rank's blocks and resuming is exact.
 Example::
 
     >>> import torch
-    >>> from ddp_hooks.block_selection import random_blocks
+    >>> from ddp_hooks.sparsify.selectors.random_block import random_blocks
     >>> idx = random_blocks(offsets=[0, 100], sizes=[100, 1000], ks=[10, 50], keys=[0, 1], block_size=4,
     ...                     seed=0, step=3, rank=-1, device=torch.device("cpu"))
     >>> idx.numel(), idx[:10].unique().numel(), bool((idx[10:] >= 100).all())
@@ -50,10 +50,11 @@ from typing import NamedTuple, Sequence, Tuple
 
 import torch
 
-from .randomk_selection import random_subsets
-from ._internal.seeding import derive_seeds, uniform_below
+from ..._internal.seeding import derive_seeds, uniform_below
+from .base import SelectionRequest, Selector
+from .randomk import random_subsets
 
-__all__ = ["random_blocks", "blocks_drawn"]
+__all__ = ["RandomBlock", "random_blocks", "blocks_drawn"]
 
 
 def blocks_drawn(numel: int, k: int, block_size: int) -> int:
@@ -148,3 +149,23 @@ def random_blocks(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int
     steps.index_add_(0, wrap_at, -n * wraps)
     steps[0] -= 1  # the sum starts from -1 + 1 = the first block's first position
     return torch.cumsum(steps[:-1], 0)
+
+
+class RandomBlock(Selector):
+    """A random set of ``block_size``-entry blocks per unit (the paper's proposal); only values travel."""
+
+    name = "random_block"
+    code = 2
+    leaves_at_random_times = True
+
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = int(block_size)
+
+    @classmethod
+    def from_options(cls, options) -> "RandomBlock":
+        return cls(block_size=options.block_size)
+
+    def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
+        units = request.units
+        return random_blocks([u.offset for u in units], [u.numel for u in units], ks, [u.key for u in units],
+                             self.block_size, request.seed, request.step, request.rank, request.where)

@@ -19,7 +19,7 @@ second store of the same kind, so they follow their parameters alike.
 Example::
 
     >>> import torch
-    >>> from ddp_hooks.residuals import ResidualStore
+    >>> from ddp_hooks.sparsify.residuals import ResidualStore
     >>> store = ResidualStore()
     >>> e = store.bucket_residual(0, ((0, 0, 2), (1, 2, 3)), 5, torch.device("cpu"))
     >>> e.add_(1.0).tolist()
@@ -31,16 +31,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 
-# A layout lists, for each parameter in a bucket, (parameter key, offset, numel).
-Layout = Tuple[Tuple[int, int, int], ...]
+from .layout import Layout
 
-#: Index under which ``scope="global"`` keeps one flat residual for all buckets
-#: of a step, laid out like their concatenation.
-GLOBAL_BUCKET = -1
 
 
 class ResidualStore:
@@ -86,6 +82,13 @@ class ResidualStore:
         for index in [i for i in self._flat if i > last_index]:
             del self._flat[index]
             del self._layout[index]
+
+    def of_key(self, key: int):
+        """A copy of parameter ``key``'s flat residual (placed or loaded), or ``None`` if it has none."""
+        source = self._views.get(key)
+        if source is None:
+            source = self._pending.get(key)
+        return None if source is None else source.detach().clone()
 
     @property
     def pending_keys(self):

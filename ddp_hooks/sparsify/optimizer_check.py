@@ -1,101 +1,41 @@
-"""Momentum SGD with the sparsifying hook: the optimizer's momentum, counted in sends.
+"""The check of every optimizer paired with the sparsifying hook, at its first step.
 
-A random selector (``randomk``, ``random_block``) with error feedback sends a
-coordinate about once every ``1 / density`` steps with everything it
-gathered. Under SGD's own momentum that stale burst is multiplied by
-``1 / (1 - momentum)`` and training diverges at the usual lr and momentum
-0.9. So by default (``SparsifyState(optimizer_momentum="auto")``) the hook
-reads each parameter's momentum from its ``torch.optim.SGD`` at the first
-step and counts it in *sends*: it steps a velocity where a rank sends and
-returns ``u_t - m u_{t-1}``, so the optimizer's buffer holds exactly the
-averaged sent velocity ``u_t`` (:mod:`ddp_hooks.sparsify`,
-:class:`~ddp_hooks.SparsifyState`). User code keeps its optimizer, weight
-decay included (dense, in the optimizer). Top-k, whose large entries leave at
-once, does not diverge under the optimizer's momentum, but it trains better
-with the momentum counted in sends as well (README, "Convergence on real
-images"), so the default is the same for every selector with error feedback.
+The hook's first call installs :func:`watch_first_step`; at the first step
+of each optimizer over the hook's parameters, :func:`check_optimizer`
+refuses momentum or weight decay applied twice (by the hook and by the
+optimizer), and Nesterov or dampening where the optimizer's momentum is
+counted in sends, and warns about the combination known to diverge (the
+optimizer's momentum applied per step under a selector whose coordinates
+leave at random times). The optimizer is then remembered (weakly) as the
+source of the momenta the hook counts in sends (:mod:`.momenta`).
 
-Every selector also starts with a density that falls from 1 to ``density``
-over its first ``density_warmup_steps`` (1000 by default): early, large and
-fast-changing gradients are what delayed sends handle worst.
+Example::
 
-:func:`build_sparsify_sgd` registers the hook and builds that optimizer in one
-call. Every optimizer paired with the hook is checked at its first step
-(:func:`check_optimizer`, installed by the hook's first call): momentum or
-weight decay applied by both the hook (``SparsifyState(momentum=...)``) and
-the optimizer is refused with ``ValueError``, as are Nesterov and dampening
-where the momentum is counted in sends; the combination known to diverge
-(``optimizer_momentum="steps"`` with a random selector) draws a
-``UserWarning``.
-
-Example (one process)::
-
-    >>> import os, tempfile, torch, torch.distributed as dist
-    >>> from torch.nn.parallel import DistributedDataParallel as DDP
-    >>> from ddp_hooks import build_sparsify_sgd
-    >>> store = os.path.join(tempfile.mkdtemp(), "store")
-    >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    >>> model = DDP(torch.nn.Linear(10, 2))
-    >>> state, opt = build_sparsify_sgd(model, lr=0.1, momentum=0.9, weight_decay=5e-4,
-    ...                                 method="random_block", density=0.05)
-    >>> state.counts_momentum_in_sends, opt.defaults["momentum"], opt.defaults["weight_decay"]
-    (True, 0.9, 0.0005)
-    >>> model(torch.randn(4, 10)).sum().backward(); opt.step()
-    >>> dist.destroy_process_group()
+    >>> import torch
+    >>> from ddp_hooks import SparsifyState
+    >>> w = torch.nn.Parameter(torch.zeros(3))
+    >>> check_optimizer(SparsifyState(momentum=0.9), torch.optim.SGD([w], lr=0.1, momentum=0.9))
+    Traceback (most recent call last):
+    ...
+    ValueError: momentum would be applied twice: ...
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._internal.validation import check_float
-from .sparsify import sparsify_hook
-from .sparsify_state import RANDOM_METHODS, SparsifyState
-
-__all__ = ["build_sparsify_sgd", "check_optimizer", "RANDOM_METHODS"]
+__all__ = ["check_optimizer", "watch_first_step"]
 
 
-def build_sparsify_sgd(
-    ddp_model,
-    lr: float,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
-    **hook_options,
-) -> Tuple[SparsifyState, torch.optim.SGD]:
-    """Register :func:`~ddp_hooks.sparsify_hook` on ``ddp_model`` and return ``(state, optimizer)``.
-
-    The optimizer is ``torch.optim.SGD(lr, momentum, weight_decay)``, exactly
-    what unchanged user code builds; the hook counts its momentum in sends
-    where that is the right thing (``optimizer_momentum="auto"``). Equal to
-    momentum SGD at density 1.
-
-    Args:
-        ddp_model: a ``DistributedDataParallel`` model without a comm hook yet.
-        lr, momentum, weight_decay (float): as for ``torch.optim.SGD``
-            (heavy-ball momentum; no dampening, no Nesterov).
-        **hook_options: the :class:`~ddp_hooks.SparsifyState` arguments
-            (``method``, ``density``, ``scope``, ``block_size``, ...).
-
-    Returns:
-        ``(SparsifyState, torch.optim.SGD)`` over ``ddp_model.parameters()``.
-    """
-    check_float("momentum", momentum, 0.0, 1.0, high_open=True, reason="it is SGD's heavy-ball factor")
-    check_float("weight_decay", weight_decay, 0.0, float("inf"), high_open=True, reason="it is SGD's L2 penalty")
-    state = SparsifyState(**hook_options)
-    ddp_model.register_comm_hook(state, sparsify_hook)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    return state, optimizer
-
-
-def check_optimizer(state: SparsifyState, optimizer: torch.optim.Optimizer, param_ids=None) -> None:
+def check_optimizer(state, optimizer: torch.optim.Optimizer, param_ids=None) -> None:
     """Refuse or warn about an optimizer paired with ``state`` the wrong way.
 
-    Looks at the parameter groups holding a parameter whose ``id`` is in
+    ``state`` is a :class:`~ddp_hooks.SparsifyState`. Looks at the parameter
+    groups holding a parameter whose ``id`` is in
     ``param_ids`` (default: every group) and reads their ``momentum`` and
     ``weight_decay`` entries (optimizers without a ``momentum`` entry, e.g.
     Adam, are not judged).
@@ -146,7 +86,7 @@ def check_optimizer(state: SparsifyState, optimizer: torch.optim.Optimizer, para
                 )
         counted = state.counts_momentum_in_sends and isinstance(optimizer, torch.optim.SGD)
         if (state.momentum == 0.0 and not counted and opt_m > 0.0 and state.error_feedback
-                and state.method in RANDOM_METHODS):
+                and state.selector.leaves_at_random_times):
             warnings.warn(
                 f"method={state.method!r} with error feedback under the optimizer's momentum={opt_m:g} is known "
                 "to diverge at the usual lr 0.1: coordinates leave about once every 1/density steps and momentum "
@@ -162,7 +102,7 @@ def check_optimizer(state: SparsifyState, optimizer: torch.optim.Optimizer, para
 _FINISHED: list = []
 
 
-def watch_first_step(state: SparsifyState) -> None:
+def watch_first_step(state) -> None:
     """At the first step of each optimizer over parameters ``state`` has seen: :func:`check_optimizer`, and remember it.
 
     Installs a global ``torch.optim`` step pre-hook. For an optimizer it has
@@ -185,12 +125,11 @@ def watch_first_step(state: SparsifyState) -> None:
             done.append(True)
             _FINISHED.append(handle)
             return
-        keys = st._param_keys
-        if not any(id(p) in keys for group in optimizer.param_groups for p in group["params"]):
+        if not st.layouts.knows_any(p for group in optimizer.param_groups for p in group["params"]):
             return  # another model's optimizer
-        check_optimizer(st, optimizer, param_ids=keys)
+        check_optimizer(st, optimizer, param_ids=st.layouts.keys)
         seen.add(optimizer)
-        st._optimizers.append(weakref.ref(optimizer))
+        st.momenta.watch(optimizer)
         st.refresh_momenta()
 
     handle = register_optimizer_step_pre_hook(pre_step)

@@ -7,7 +7,7 @@ buffer ``m buf + grad`` holds exactly ``u_t``. ``u_{t-1}`` is zero except
 where some rank sent at the last step: this store keeps those positions and
 values per bucket, O(k) memory and work, not a dense copy of the model.
 
-Like the residuals (:mod:`ddp_hooks.residuals`) it follows its parameters
+Like the residuals (:mod:`ddp_hooks.sparsify.residuals`) it follows its parameters
 when DDP rebuilds its buckets: a bucket index that comes back with another
 layout takes its entries parameter by parameter from wherever they were, and
 :meth:`LastUpdates.state` saves them per parameter key, so a checkpoint
@@ -33,7 +33,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .residuals import Layout
+from .layout import Layout
 
 __all__ = ["LastUpdates", "UpdateRecord", "present_update"]
 

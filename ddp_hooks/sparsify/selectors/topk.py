@@ -1,4 +1,4 @@
-"""Exact top-k of many units at once, through sampled thresholds.
+"""Top-k: the k entries of largest magnitude per unit, exact, for many units at once.
 
 For each unit ``u`` (a range ``[offset_u, offset_u + n_u)`` of a flat vector
 with budget ``k_u``) the positions of the ``k_u`` largest magnitudes are
@@ -10,9 +10,9 @@ them, and one call per layer multiplies the fixed costs. Instead:
    aimed at about ``1.5 k_u`` entries above it (small units: ``t_u = 0``, every
    entry is a candidate);
 3. one candidate mask ``|p| >= t_u`` and its positions
-   (:func:`~ddp_hooks.segments.true_positions`);
+   (:func:`~.segments.true_positions`);
 4. the exact top ``k_u`` of each unit's candidates by one segmented sort
-   (:func:`~ddp_hooks.segments.smallest_per_segment`).
+   (:func:`~.segments.smallest_per_segment`).
 
 Every entry above the ``k_u``-th largest magnitude is above ``t_u`` whenever
 at least ``k_u`` entries are, so the result is the exact top-k. A unit whose
@@ -36,9 +36,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .base import SelectionRequest, Selector
 from .segments import smallest_per_segment, true_positions
 
-__all__ = ["topk_units"]
+__all__ = ["TopK", "topk_units"]
 
 # Units smaller than this take every entry as a candidate (no sampling).
 _SMALL = 1 << 12
@@ -117,3 +118,20 @@ def topk_units(magnitude: torch.Tensor, offsets: Sequence[int], sizes: Sequence[
             parts.append(chosen[taken:taken + k])
             taken += k
     return torch.cat(parts)
+
+
+class TopK(Selector):
+    """Each rank's own k largest ``|p|`` per unit; its positions travel with its values (AllGather only)."""
+
+    name = "topk"
+    code = 0
+    aggregations = ("allgather",)
+    aggregation_reason = ("each rank's top-k entries sit at different positions, so values alone cannot be "
+                          "summed")
+    positions_travel = True
+    reads_values = True
+
+    def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
+        units = request.units
+        return topk_units(request.magnitude, [u.offset for u in units], [u.numel for u in units], ks,
+                          request.scratch_mask)

@@ -1,0 +1,18 @@
+"""Coordinate selectors C_k of the sparsifying hook, one file each, behind one seam.
+
+* ``topk`` (:mod:`.topk`): the k entries of largest magnitude, exact.
+* ``randomk`` (:mod:`.randomk`): a uniformly random k-subset.
+* ``random_block`` (:mod:`.random_block`): a uniformly random set of blocks
+  of ``block_size`` consecutive positions, every coordinate sent with
+  probability exactly ``k / n``.
+
+:mod:`.base` says what a selector is and states for the exchange;
+:mod:`.registry` lists them. Pure tensor functions: no ``torch.distributed``.
+"""
+
+from .base import SelectionRequest, Selector, Unit, budget, budgets, total_budget
+from .registry import (BUILT_IN, register_selector, select, selector_by_code, selector_class, selector_for,
+                       selector_names)
+
+__all__ = ["Unit", "budget", "budgets", "total_budget", "SelectionRequest", "Selector", "BUILT_IN",
+           "register_selector", "select", "selector_by_code", "selector_class", "selector_for", "selector_names"]

@@ -1,0 +1,288 @@
+"""The state of the sparsifying hook, by lifetime: options; what each rank keeps from step to step
+and saves (:mod:`.checkpoint`); what the first hook call binds; one backward pass
+(:mod:`.step_run`); caches (:mod:`.scratch`, :mod:`.sparse_output`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Dict, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._internal.collectives import check_same_on_all_ranks
+from .._internal.validation import check_group_ready, check_process_group
+from ..stats import CommStats
+from . import checkpoint
+from .last_update import LastUpdates
+from .layout import BucketLayouts, Layout
+from .momenta import OptimizerMomenta, velocity_momentum, velocity_runs
+from .nonfinite import NonfiniteSteps
+from .optimizer_check import watch_first_step
+from .options import OPTION_NAMES, SparsifyOptions
+from .residuals import ResidualStore
+from .sparse_output import SparseOutputs
+from .scratch import ScratchMemory
+from .step_run import StepRun
+
+__all__ = ["SparsifyState", "Binding"]
+
+logger = logging.getLogger(__name__)
+
+
+class Binding(NamedTuple):
+    """What the first hook call binds: the process group, this rank, and the world size."""
+
+    group: Any
+    rank: int
+    world_size: int
+
+
+class SparsifyState:
+    r"""State of :func:`~ddp_hooks.sparsify_hook`: options, residuals, step counter, stats.
+
+    Every argument is checked here, before anything touches
+    ``torch.distributed``, so a bad configuration fails at once.
+
+    Args:
+        process_group: the group to communicate in; ``None`` is the default group.
+        method (str): the selector: ``"random_block"`` (default), ``"topk"``, ``"randomk"``.
+        density (float): fraction of entries sent per unit, in (0, 1] (0.01).
+        scope (str): the unit with its own budget: ``"layer"`` (default), ``"bucket"``, ``"global"``.
+        aggregation (str): ``"allreduce"`` (default; shared positions) or ``"allgather"``.
+        error_feedback (bool): keep what was not sent and add it next step (True).
+        warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps (0).
+        density_warmup_steps (int): steps over which the density falls from 1 (``None``: 1000).
+        seed (int): seed of the random selectors (0).
+        block_size (int): ``random_block``'s entries per block (16).
+        momentum, weight_decay (float): the hook's own momentum and weight decay (0, 0).
+        optimizer_momentum (str): ``"auto"`` (default), ``"sends"`` or ``"steps"``.
+        grad_scaler (torch.amp.GradScaler): the scaler of an AMP run, or
+            ``None``. Gradients reach the hook multiplied by the loss scale
+            ``S``, which the scaler changes between steps; with the scaler
+            given, the per-rank states are kept unscaled (``e`` in gradient
+            units, ``p = g + S * e``), so a change of ``S`` cannot leave a
+            stale factor ``S_new / S_old`` in them. Without it they hold
+            scaled values: fine without AMP or with a constant scale. The
+            scaler is not part of :meth:`state_dict` or of a pickle: give it
+            again when resuming.
+
+    The options other than the process group and the scaler are explained,
+    with why each exists, in :class:`~ddp_hooks.sparsify.options.SparsifyOptions`
+    (``state.options``); each is also a read-only attribute (``state.density``).
+
+    Non-finite gradients (an AMP overflow, a NaN): when any rank's gradient
+    holds inf or NaN at a step, every rank's output for that step is made
+    non-finite (so ``GradScaler`` skips the step on every rank, as with a
+    dense allreduce), and every rank's residuals keep their values from
+    before the step: the step's gradient is discarded as a skipped step
+    discards a dense one. The step counter still advances on every rank alike.
+    ``stats()["nonfinite_steps"]`` counts such steps.
+
+    The error-feedback and momentum recursions, with their invariants, are in
+    :mod:`ddp_hooks.sparsify.error_feedback`.
+
+    Example::
+
+        >>> from ddp_hooks import SparsifyState
+        >>> state = SparsifyState(method="random_block", density=0.01)
+        >>> state.step
+        0
+        >>> SparsifyState(method="topk", aggregation="allreduce")
+        Traceback (most recent call last):
+        ...
+        ValueError: `aggregation`='allreduce' cannot be used with `method`='topk': ...
+    """
+
+    __slots__ = (
+        "options", "process_group", "grad_scaler",
+        # kept across steps and checkpoints; `step` advances once per backward, on the last bucket
+        "step", "residuals", "velocities", "last_updates", "momenta", "counters", "nonfinite",
+        # bound at the first hook call; the layouts of the buckets met; a loaded checkpoint's rank and keys
+        "binding", "layouts", "loaded",
+        # one backward pass (None between them), and caches
+        "run", "scratch", "results",
+        # the optimizer check installed at the first hook call holds only a weak reference
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        method: str = "random_block",
+        density: float = 0.01,
+        scope: str = "layer",
+        aggregation: str = "allreduce",
+        error_feedback: bool = True,
+        warmup_steps: int = 0,
+        seed: int = 0,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        grad_scaler: Optional["torch.amp.GradScaler"] = None,
+        block_size: int = 16,
+        optimizer_momentum: str = "auto",
+        density_warmup_steps: Optional[int] = None,
+    ) -> None:
+        check_process_group("process_group", process_group)
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"`grad_scaler` must be None or a torch.amp.GradScaler, got {type(grad_scaler).__name__}; "
+                            "the hook reads the loss scale from it to keep the residuals unscaled")
+        self.options = SparsifyOptions(
+            method=method, density=density, scope=scope, aggregation=aggregation, error_feedback=error_feedback,
+            warmup_steps=warmup_steps, seed=seed, momentum=momentum, weight_decay=weight_decay,
+            block_size=block_size, optimizer_momentum=optimizer_momentum, density_warmup_steps=density_warmup_steps)
+        if self.options.density == 1.0:
+            warnings.warn("SparsifyState: density=1 sends every entry; the hook then costs a plain allreduce "
+                          "plus bookkeeping", stacklevel=2)
+        self.process_group = process_group
+        self.grad_scaler = grad_scaler
+        self.step = 0
+        self.residuals = ResidualStore()
+        self.velocities = ResidualStore()  # per rank, like the residuals; used while a velocity runs
+        self.last_updates = LastUpdates()
+        self.momenta = OptimizerMomenta()
+        self.counters = CommStats()
+        self.nonfinite = NonfiniteSteps()
+        self.binding: Optional[Binding] = None
+        self.layouts = BucketLayouts()
+        self.loaded: Optional[checkpoint.Loaded] = None
+        self.run: Optional[StepRun] = None
+        self.scratch = ScratchMemory()  # top-k's |p| and candidate mask, kept from step to step
+        self.results = SparseOutputs()  # per bucket, the result vector kept at zero (CPU, float32)
+
+    # ----- what the options imply -----
+    @property
+    def selector(self):
+        """The coordinate selector (:mod:`ddp_hooks.sparsify.selectors`)."""
+        return self.options.selector
+
+    @property
+    def counts_momentum_in_sends(self) -> bool:
+        """True when the optimizer's momentum is counted in sends (``optimizer_momentum``, resolved)."""
+        return self.options.counts_momentum_in_sends
+
+    def density_at(self, step: int) -> float:
+        """The density of step ``step``: 1 during the warm-up, then ``density_warmup_steps`` of geometric decay."""
+        return self.options.density_at(step)
+
+    @property
+    def runs_velocity(self) -> bool:
+        """True while the hook keeps a velocity (:func:`ddp_hooks.sparsify.momenta.velocity_runs`)."""
+        return velocity_runs(self.options, self.momenta)
+
+    def send_momentum(self, layout: Layout, device: torch.device):
+        """The momentum the velocity steps with in a bucket (:func:`ddp_hooks.sparsify.momenta.velocity_momentum`)."""
+        return velocity_momentum(self.options, self.momenta, layout, device)
+
+    def refresh_momenta(self) -> None:
+        """Read each parameter's momentum from the optimizers seen (:mod:`ddp_hooks.sparsify.momenta`)."""
+        ran_velocity = self.runs_velocity
+        self.momenta.refresh(self.layouts.keys)
+        if ran_velocity and not self.runs_velocity:  # no momentum to count any more: drop the velocity
+            self.velocities.load({})  # (it restarts at 0 if a momentum comes back)
+
+    # ----- per parameter -----
+    def residual_for(self, param: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's error-feedback residual of ``param``, shaped like it (zeros if it has none)."""
+        return self._state_of(self.residuals, param)
+
+    def velocity_for(self, param: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's momentum velocity of ``param``, shaped like it (zeros if it has none)."""
+        return self._state_of(self.velocities, param)
+
+    def _state_of(self, store: ResidualStore, param: torch.Tensor) -> torch.Tensor:
+        key = self.layouts.key_of(param)
+        found = None if key is None else store.of_key(key)
+        return torch.zeros(param.shape) if found is None else found.reshape(param.shape)
+
+    # ----- binding to the process group, at the first hook call -----
+    def bind(self, bucket: dist.GradBucket) -> None:
+        """At the first hook call: the group, rank and world size; the options agreed by every rank."""
+        if self.binding is not None:
+            return
+        device = bucket.buffer().device
+        group = check_group_ready(self.process_group, device, "sparsify_hook")
+        self.binding = Binding(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+        # one small allgather at the first step: every rank fails alike on a mismatch
+        settings = {**self.options.config_ints(), "grad_scaler": int(self.grad_scaler is not None)}
+
+        def describe(s):
+            return f"{self.options.describe(s)}, grad_scaler={'given' if s['grad_scaler'] else 'None'}"
+
+        check_same_on_all_ranks(settings, group, self.binding.world_size, device, "SparsifyState options",
+                                "every rank must select and aggregate alike", describe)
+        checkpoint.check_loaded_rank(self)
+        watch_first_step(self)
+        if self.binding.rank == 0:
+            logger.info("sparsify_hook: %s on %d ranks", self.options.describe(self.options.config_ints()),
+                        self.binding.world_size)
+
+    # ----- one backward pass -----
+    def begin_step(self, device: torch.device) -> StepRun:
+        """At the first bucket of a backward: a new run (dropping a backward that raised); the momenta, the scale."""
+        if self.momenta.watching and self.counts_momentum_in_sends:
+            self.refresh_momenta()
+        scaler = self.grad_scaler
+        # GradScaler.scale(t) is t * S on t's device: S as a tensor, without a host sync.
+        self.run = StepRun(None if scaler is None else scaler.scale(torch.ones((), dtype=torch.float32, device=device)))
+        return self.run
+
+    def end_step(self, last_index: int, compressed: bool) -> None:
+        """At the last bucket: advance the step; forget buckets past the last; check a loaded state's keys."""
+        self.step += 1
+        self.counters.steps += 1
+        self.counters.compressed_steps += int(compressed)
+        for store in (self.residuals, self.velocities, self.last_updates, self.results, self.layouts):
+            store.drop_buckets_after(last_index)
+        checkpoint.check_loaded_keys(self, compressed)
+
+    # ----- public API -----
+    def stats(self) -> Dict[str, float]:
+        """Counts since the start: steps, elements and bytes sent vs dense, their ratio, discarded steps.
+
+        ``nonfinite_steps`` counts the compressed steps whose gradient held
+        inf or NaN on some rank (reading it waits for the device on CUDA).
+        """
+        return {**self.counters.as_dict(), "nonfinite_steps": int(self.nonfinite)}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Step, residuals and velocities (this rank's), counters and options; tensors and ints only.
+
+        Loads with ``torch.load(..., weights_only=True)``. Residuals differ per
+        rank: every rank saves and loads its own.
+        """
+        return checkpoint.state_dict_of(self)
+
+    def load_state_dict(self, state_dict: Dict[str, Any], residuals: bool = True) -> None:
+        """Restore a :meth:`state_dict` saved by this rank with the same options.
+
+        Refused with ``ValueError``: other options (method, density, scope,
+        aggregation, error feedback, warm-up, seed, momentum, weight decay),
+        and, at the first step, another world size, another rank or another
+        model's residuals. With ``residuals=False`` the residuals and
+        velocities are dropped (they restart at 0) and the world size may
+        differ; the step and counters are kept. A state saved before the
+        ``momentum`` option existed loads as ``momentum=0, weight_decay=0``.
+        """
+        checkpoint.load_into(self, state_dict, residuals=residuals)
+
+    def __getstate__(self):
+        """Pickle support, as PyTorch's PowerSGDState: the process group is not serialisable and is dropped."""
+        logger.warning("SparsifyState: the process group is not serialisable and is excluded from the pickle")
+        return {"options": self.options.as_kwargs(), "state": self.state_dict()}
+
+    def __setstate__(self, blob) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.__init__(process_group=None, **blob["options"])
+        self.load_state_dict(blob["state"])
+
+
+def _option_property(name: str) -> property:
+    return property(lambda self: getattr(self.options, name), doc=f"The ``{name}`` option (read-only).")
+
+
+for _name in OPTION_NAMES:  # state.density, state.method, ...: the options, read-only
+    setattr(SparsifyState, _name, _option_property(_name))

@@ -1,0 +1,83 @@
+"""One backward pass of the sparsifying hook: its exchanges in flight, and the buckets still waiting.
+
+DDP hands the hook its buckets one at a time, in index order. The hook
+starts each bucket's exchange at once but updates the per-rank states and
+writes the results only when the whole step is known (finite or not), at
+the last bucket. A :class:`StepRun`, created at bucket 0
+(:meth:`~ddp_hooks.SparsifyState.begin_step`), holds what lies in between:
+the exchanges launched (:class:`~.exchange.Flight`), the buckets held back
+for one global exchange (``scope="global"``), the loss scale read at the
+first bucket, and the future every bucket's result waits on.
+
+Example::
+
+    >>> run = StepRun(scale=None)
+    >>> run.busy, run.done.done()
+    (False, False)
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from .layout import Layout
+
+__all__ = ["StepRun", "WaitingBucket", "JoinedBuckets"]
+
+
+class WaitingBucket(NamedTuple):
+    """A bucket held back until the last one (``scope="global"``)."""
+
+    buffer: torch.Tensor
+    layout: Layout
+    starts: torch.Tensor
+    marks: torch.Tensor
+    decay: Optional[torch.Tensor]
+
+
+class JoinedBuckets(NamedTuple):
+    """The waiting buckets laid end to end: one flat gradient with its layout, offsets, marks and decay."""
+
+    grad: torch.Tensor
+    layout: Layout
+    starts: torch.Tensor
+    marks: torch.Tensor
+    decay: Optional[torch.Tensor]
+    buffers: List[torch.Tensor]  # receive the joined result's chunks at the end of the step
+
+
+class StepRun:
+    """Exchanges launched in this backward, buckets waiting for the last one, the loss scale, completion."""
+
+    __slots__ = ("flights", "waiting", "scale", "done")
+
+    def __init__(self, scale: Optional[torch.Tensor]) -> None:
+        self.flights: list = []  # ddp_hooks.sparsify.exchange.Flight, in launch order
+        self.waiting: List[WaitingBucket] = []
+        self.scale = scale  # the loss scale S as a 0-dim tensor, or None without a grad scaler
+        self.done: torch.futures.Future = torch.futures.Future()  # set once the step is committed
+
+    @property
+    def busy(self) -> bool:
+        """True while some exchange or waiting bucket has not been committed."""
+        return bool(self.flights or self.waiting)
+
+    def join_waiting(self, with_decay: bool) -> JoinedBuckets:
+        """Take the waiting buckets (leaving none) and lay them end to end."""
+        waiting, self.waiting = self.waiting, []
+        buffers = [w.buffer for w in waiting]
+        layout, starts, shift = [], [], 0
+        for w in waiting:
+            layout.extend((key, offset + shift, n) for key, offset, n in w.layout)
+            starts.append(w.starts + shift)
+            shift += w.buffer.numel()
+        decay = torch.cat([w.decay for w in waiting]) if with_decay else None
+        return JoinedBuckets(grad=torch.cat(buffers), layout=tuple(layout), starts=torch.cat(starts),
+                             marks=torch.cat([w.marks for w in waiting]), decay=decay, buffers=buffers)
+
+    def take_flights(self) -> Tuple[list, torch.futures.Future]:
+        """The flights launched (leaving none) and the step's completion future."""
+        flights, self.flights = self.flights, []
+        return flights, self.done
