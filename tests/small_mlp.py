@@ -1,4 +1,5 @@
-"""The small MLP, its batches and a flattener, shared by the momentum tests (imported by module name)."""
+"""The small MLP, its batches, a flattener and every sparsifier combination, shared by the tests (imported by
+module name: tests/conftest.py puts tests/ on sys.path)."""
 
 import torch
 
@@ -16,3 +17,9 @@ def batch(rank, step):
 
 def flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+#: Every (method, scope, aggregation) the sparsifier serves.
+COMBOS = [("topk", s, "allgather") for s in ("layer", "bucket", "global")] + [
+    (m, s, a) for m in ("randomk", "random_block") for s in ("layer", "bucket", "global") for a in ("allreduce", "allgather")
+]

@@ -11,21 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_hooks import SparsifyState, sparsify_hook
 from ddp_hooks.sparsify.selectors import budget
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
-
-COMBOS = [("topk", s, "allgather") for s in ("layer", "bucket", "global")] + [
-    (m, s, a) for m in ("randomk", "random_block") for s in ("layer", "bucket", "global") for a in ("allreduce", "allgather")
-]
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
-
-
-def _batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 20, generator=g)
-
+from small_mlp import COMBOS, batch, small_mlp
 
 def _recording_hook(rec, bucket):
     for p, g in zip(bucket.parameters(), bucket.gradients()):
@@ -40,14 +26,14 @@ def _residual_by_param(state, params):
 
 def _check_invariants(rank, world, method, scope, aggregation, density, steps=3):
     state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation, seed=7, density_warmup_steps=0)
-    model = DDP(_model(), bucket_cap_mb=0.002)  # several buckets after the rebuild
+    model = DDP(small_mlp(), bucket_cap_mb=0.002)  # several buckets after the rebuild
     rec = {"state": state, "g": {}, "bucket_of": {}}
     model.register_comm_hook(rec, _recording_hook)
     params = list(model.parameters())
     for step in range(steps):
         e_old = _residual_by_param(state, params)
         model.zero_grad()
-        model(_batch(rank, step)).pow(2).sum().backward()
+        model(batch(rank, step)).pow(2).sum().backward()
         e_new = _residual_by_param(state, params)
         sent = {id(p): rec["g"][id(p)].reshape(p.shape) + e_old[id(p)] - e_new[id(p)] for p in params}
         comp = {id(p): rec["g"][id(p)].reshape(p.shape) + e_old[id(p)] for p in params}
@@ -100,13 +86,13 @@ def _mass(rank, world, steps=12):
     out = []
     for method, scope, aggregation in COMBOS:
         state = SparsifyState(method=method, density=0.05, scope=scope, aggregation=aggregation, density_warmup_steps=0)
-        model = DDP(_model(), bucket_cap_mb=0.002)
+        model = DDP(small_mlp(), bucket_cap_mb=0.002)
         model.register_comm_hook(state, sparsify_hook)
         applied = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
         true_sum = torch.zeros_like(applied)
-        ref = _model()
+        ref = small_mlp()
         for step in range(steps):
-            x = _batch(rank, step)
+            x = batch(rank, step)
             model.zero_grad()
             model(x).pow(2).sum().backward()
             applied += torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
@@ -130,12 +116,12 @@ def test_mass_is_conserved_across_steps_and_the_bucket_rebuild():
 
 
 def _train(rank, world, hook, state, steps, momentum=0.9):
-    model = DDP(_model(), bucket_cap_mb=0.002)
+    model = DDP(small_mlp(), bucket_cap_mb=0.002)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     for step in range(steps):
         opt.zero_grad()
-        model(_batch(rank, step)).pow(2).mean().backward()
+        model(batch(rank, step)).pow(2).mean().backward()
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -166,7 +152,7 @@ def test_density_one_equals_the_allreduce_hook(world_size):
 
 def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, momentum_in_hook=False, n=3):
     def build():
-        model = DDP(_model(), bucket_cap_mb=0.002)
+        model = DDP(small_mlp(), bucket_cap_mb=0.002)
         options = dict(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=3, warmup_steps=warmup)
         if momentum_in_hook:  # velocities in the hook state, plain SGD
             st = SparsifyState(momentum=0.9, weight_decay=5e-4, **options)
@@ -179,7 +165,7 @@ def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, momentum_in_
     def run(model, opt, start, stop):
         for step in range(start, stop):
             opt.zero_grad()
-            model(_batch(rank, step)).pow(2).mean().backward()
+            model(batch(rank, step)).pow(2).mean().backward()
             opt.step()
 
     model, opt, st = build()
@@ -217,9 +203,9 @@ def test_checkpoint_resume_is_exact(tmp_path, method, scope, aggregation, warmup
 
 def _mismatch(rank, world):
     density = 0.1 if rank == 0 else 0.2
-    model = DDP(_model())
+    model = DDP(small_mlp())
     model.register_comm_hook(SparsifyState(density=density, density_warmup_steps=0), sparsify_hook)
-    model(_batch(rank, 0)).sum().backward()
+    model(batch(rank, 0)).sum().backward()
 
 
 def test_ranks_with_different_options_all_raise_the_same_error():
@@ -230,9 +216,9 @@ def test_ranks_with_different_options_all_raise_the_same_error():
 def _wrong_world(rank, world, sd):
     st = SparsifyState()
     st.load_state_dict(sd)
-    model = DDP(_model())
+    model = DDP(small_mlp())
     model.register_comm_hook(st, sparsify_hook)
-    model(_batch(rank, 0)).sum().backward()
+    model(batch(rank, 0)).sum().backward()
 
 
 def test_state_saved_on_another_world_size_is_refused():
@@ -295,13 +281,13 @@ def test_state_of_another_rank_or_model_is_refused():
 
 def _replicas_stay_equal(rank, world):
     for method, scope, aggregation in COMBOS:
-        model = DDP(_model(), bucket_cap_mb=0.002)
+        model = DDP(small_mlp(), bucket_cap_mb=0.002)
         model.register_comm_hook(SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.05, density_warmup_steps=0),
                                  sparsify_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in range(4):
             opt.zero_grad()
-            model(_batch(rank, step)).pow(2).mean().backward()
+            model(batch(rank, step)).pow(2).mean().backward()
             opt.step()
         assert_replicas_equal(model)
     return True
@@ -322,7 +308,7 @@ def _half_gradients(rank, world):
             model.register_comm_hook(state, sparsify_hook)
             for step in range(3):
                 model.zero_grad()
-                model(_batch(rank, step).repeat(1, 3)[:, :50].to(dtype)).float().pow(2).sum().backward()
+                model(batch(rank, step).repeat(1, 3)[:, :50].to(dtype)).float().pow(2).sum().backward()
             assert module.weight.grad.dtype == dtype
             assert all(t.dtype == torch.float32 for t in state.residuals.state().values())
             assert torch.isfinite(module.weight.grad.float()).all()

@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
 from ddp_hooks.testing import ChildFailedError, free_port, run_distributed
-from test_sparsify_dist import _batch, _model
+from small_mlp import batch, small_mlp
+from paths import RECIPES  # noqa: E402
 
 COLLECTIVE_TIMEOUT = 6.0
 FAIL_STEP = 2
@@ -25,7 +26,7 @@ FAIL_STEP = 2
 
 def _train_until_rank1_fails(rank, world_size, how, mark):
     """Rank 1 dies (os._exit) or stalls (sleeps) in the hook of bucket 1 at step 2, after bucket 0 was exchanged."""
-    model = DDP(_model(), bucket_cap_mb=0.002)
+    model = DDP(small_mlp(), bucket_cap_mb=0.002)
     state = SparsifyState(method="topk", aggregation="allgather", density=0.1)
 
     def hook(st, bucket):
@@ -41,7 +42,7 @@ def _train_until_rank1_fails(rank, world_size, how, mark):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(5):
         opt.zero_grad()
-        model(_batch(rank, step)).pow(2).mean().backward()
+        model(batch(rank, step)).pow(2).mean().backward()
         opt.step()
 
 
@@ -70,7 +71,7 @@ def test_stalled_rank_ends_the_others_at_the_collective_timeout(tmp_path):
     assert COLLECTIVE_TIMEOUT - 1 < done - stalled_at < COLLECTIVE_TIMEOUT + 15
 
 
-RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "train_cifar.py")
+RECIPE = os.path.join(RECIPES, "train_cifar.py")
 RUN = ["--model", "resnet20", "--width", "4", "--image-size", "8", "--synthetic-size", "256", "--batch-size", "8",
        "--threads", "1", "--lr", "0.05", "--epochs", "2", "--log-every", "2", "--hook", "sparsify",
        "--method", "random_block", "--density", "0.1"]

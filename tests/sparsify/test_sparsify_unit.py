@@ -7,6 +7,7 @@ from ddp_hooks import SparsifyState
 from ddp_hooks.sparsify.residuals import ResidualStore
 from ddp_hooks._internal.seeding import SHARED, derive_seed
 from ddp_hooks.sparsify.selectors import Unit, budget, select
+from paths import FIXTURES
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
@@ -293,7 +294,7 @@ def test_a_state_saved_before_block_size_existed_still_loads(caplog):
     # Written by the code of ac086ab (one wrapped block per unit): random_block, density 0.2, seed 3, 3 steps.
     import os
 
-    sd = torch.load(os.path.join(os.path.dirname(__file__), "fixtures", "sparsify_state_before_block_size.pth"),
+    sd = torch.load(os.path.join(FIXTURES, "sparsify_state_before_block_size.pth"),
                     weights_only=True)
     assert "block_size" not in sd["config"]
     with pytest.raises(ValueError, match=r"saved with .*density_warmup_steps=0 but .*density_warmup_steps=1000"):

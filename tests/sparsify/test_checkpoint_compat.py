@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
 from ddp_hooks.testing import run_distributed
+from paths import FIXTURES
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 sys.path.insert(0, FIXTURES)
 from make_pre_refactor_checkpoints import CONFIGS, RESUMED_FOR, SAVED_AT, train  # noqa: E402
 from small_mlp import flat, small_mlp  # noqa: E402

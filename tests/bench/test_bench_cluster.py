@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 

@@ -259,7 +259,7 @@ def test_mass_is_conserved_and_the_velocity_moves_only_where_sent():
         assert worst_velocity < 1e-4 * max(1.0, scale), (method, scope, aggregation, worst_velocity)
 
 
-# (exact resume with velocities: tests/test_sparsify_dist.py, test_checkpoint_resume_is_exact)
+# (exact resume with velocities: tests/sparsify/test_sparsify_dist.py, test_checkpoint_resume_is_exact)
 
 
 def _mismatch(rank, world):

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_hooks import SparsifyState, sparsify_hook
 from ddp_hooks.sparsify.nonfinite import fill_if
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
-from test_sparsify_dist import COMBOS, _batch, _model
+from small_mlp import COMBOS, batch, small_mlp
 
 BAD_STEP = 2
 
@@ -39,7 +39,7 @@ MOMENTUM_COMBOS = [("random_block", "layer", "allreduce"), ("randomk", "global",
 
 
 def _train_with_bad_step(rank, method, scope, aggregation, skip, value, steps=5, hook=None):
-    model = DDP(_model(), bucket_cap_mb=0.002)
+    model = DDP(small_mlp(), bucket_cap_mb=0.002)
     state = SparsifyState(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=5,
                           density_warmup_steps=0, **(hook or {}))
     model.register_comm_hook(state, sparsify_hook)
@@ -53,7 +53,7 @@ def _train_with_bad_step(rank, method, scope, aggregation, skip, value, steps=5,
         before = state.residuals.state()
         velocities_before = state.velocities.state()
         opt.zero_grad()
-        model(_batch(rank, step)).pow(2).mean().backward()
+        model(batch(rank, step)).pow(2).mean().backward()
         if handle is not None:
             handle.remove()
         if step == BAD_STEP:
@@ -103,7 +103,7 @@ INF_STEPS = (3,)
 
 def _scaled_run(rank, method, scope, aggregation, in_hook, mode, steps=8):
     """mode: "reference" (no scaler, inf steps skipped), "attached" (scaler given to the state), "unattached"."""
-    model = DDP(_model(), bucket_cap_mb=0.002)
+    model = DDP(small_mlp(), bucket_cap_mb=0.002)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
     state = SparsifyState(method=method, scope=scope, aggregation=aggregation, density=0.1, density_warmup_steps=0,
                           grad_scaler=scaler if mode == "attached" else None, **(IN_HOOK if in_hook else {}))
@@ -111,7 +111,7 @@ def _scaled_run(rank, method, scope, aggregation, in_hook, mode, steps=8):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scales = []
     for step in range(steps):
-        x = _batch(rank, step)
+        x = batch(rank, step)
         if mode == "reference":
             if step in INF_STEPS:
                 state.step += 1

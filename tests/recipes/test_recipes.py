@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+from paths import RECIPES
+
 sys.path.insert(0, RECIPES)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,7 +22,8 @@ import torch
 
 from ddp_hooks.testing import free_port, run_distributed
 
-RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+from paths import RECIPES
+
 sys.path.insert(0, RECIPES)
 
 import train_cifar  # noqa: E402

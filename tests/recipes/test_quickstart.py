@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 from ddp_hooks.testing import free_port
+from paths import ROOT  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "recipes", "quickstart.py")
 
 
