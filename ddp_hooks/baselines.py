@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_loca
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ._internal.validation import check_float, check_int, check_process_group
-from .adaalter import _check_ddp_model, _check_positive
+from .adaalter.optimizer import _check_ddp_model, _check_positive
 
 __all__ = ["AllreduceCounter", "counting_allreduce_hook", "build_sync_adagrad", "build_local_sgd"]
 

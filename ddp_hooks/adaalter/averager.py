@@ -13,7 +13,7 @@ Every rank must pass the same list of tensors in the same order, whether or
 not a parameter received a gradient this step: the collective's size then
 never depends on which parameters were used, so it cannot deadlock.
 
-With an outer optimizer (:class:`~ddp_hooks.outer_sgd.OuterSGD`, DiLoCo's and
+With an outer optimizer (:class:`~ddp_hooks.adaalter.outer_sgd.OuterSGD`, DiLoCo's and
 SlowMo's), the averaged parameters are then replaced by an outer SGD step
 from the parameters of the last synchronisation; the accumulators are
 averaged as before.
@@ -26,8 +26,8 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._internal.validation import check_process_group
-from ._internal.collectives import check_same_on_all_ranks
+from .._internal.validation import check_process_group
+from .._internal.collectives import check_same_on_all_ranks
 from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule
 

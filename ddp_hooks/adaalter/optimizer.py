@@ -5,7 +5,7 @@ Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
 ``lr`` the learning rate, ``eps`` as below, ``H = period``, worker ``i``:
 
 1. Warm-up (synchronous AdaAlter, the paper's Algorithm 1; ``g_t`` is the
-   gradient averaged by :func:`~ddp_hooks.local_sgd.local_sgd_hook`)::
+   gradient averaged by :func:`~ddp_hooks.adaalter.hook.local_sgd_hook`)::
 
        x_t  = x_{t-1} - lr * g_t / sqrt(B2_{t-1} + eps^2)
        B2_t = B2_{t-1} + g_t^2
@@ -16,13 +16,13 @@ Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
        A_i = A_i + g_i,t^2
 
 3. Synchronisation at ``t = t0 + H`` (one flat collective, see
-   :class:`~ddp_hooks.averager.AdaAlterAverager`)::
+   :class:`~ddp_hooks.adaalter.averager.AdaAlterAverager`)::
 
        x_i = mean_j x_j ;  B2_t = B2_t0 + mean_j A_j ;  A_i = 0
 
    With an outer optimizer (``outer_lr``, ``outer_momentum``; DiLoCo,
    arXiv 2311.08105), ``mean_j x_j`` then goes through
-   :class:`~ddp_hooks.outer_sgd.OuterSGD` from the parameters of the last
+   :class:`~ddp_hooks.adaalter.outer_sgd.OuterSGD` from the parameters of the last
    averaging; the accumulators are averaged as above. The first averaging
    only gives the outer optimizer its starting point (parameters that are
    the same on every rank by construction), so it acts from the second on.
@@ -38,7 +38,7 @@ Conventions:
   is ``eps=1.0`` here.
 * The lazy correction stands in the denominator for the squared gradients
   that a synchronous run would have added since ``t0`` and a local step
-  cannot know (``lazy_correction``, :mod:`ddp_hooks.lazy_correction`):
+  cannot know (``lazy_correction``, :mod:`ddp_hooks.adaalter.lazy_correction`):
   ``"paper"`` (``True``) ``sqrt(B2_t0 + (t - t0) * eps^2)``; ``"constant"``
   (``False``) ``sqrt(B2_t0 + eps^2)``, as the authors' MXNet code; ``"rate"``
   ``sqrt(B2_t0 + eps^2 + (t - t0 - 1) * r)``, ``r`` (``state["sq_rate"]``,
@@ -72,11 +72,11 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._internal.validation import check_float, check_process_group
-from .adaalter_checkpoint import check_loadable
+from .._internal.validation import check_float, check_process_group
+from .checkpoint import check_loadable
 from .averager import AdaAlterAverager
 from .lazy_correction import check_rule, denominator
-from .local_sgd import LocalSGDState, local_sgd_hook
+from .hook import LocalSGDState, local_sgd_hook
 from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule, _register_owner, driver_settings
 
@@ -318,7 +318,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         it, with the same number of ranks; anything else raises ``ValueError``.
         Accumulators whose shapes differ from the parameters' (another model),
         unknown rules and outer-optimizer mismatches raise ``ValueError``
-        before anything is changed (:mod:`ddp_hooks.adaalter_checkpoint`).
+        before anything is changed (:mod:`ddp_hooks.adaalter.checkpoint`).
         """
         outer = self.averager.outer
         check_loadable(state_dict, self._params(), self._world_size(), self._rank(), self.schedule, outer)

@@ -26,8 +26,8 @@ from typing import Callable, Dict, Iterable, Optional
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._internal.validation import check_int
-from ._internal.collectives import check_same_on_all_ranks
+from .._internal.validation import check_int
+from .._internal.collectives import check_same_on_all_ranks
 from .lazy_correction import RULE_CODES, check_rule
 from .outer_sgd import outer_settings
 

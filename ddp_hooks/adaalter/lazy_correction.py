@@ -39,7 +39,7 @@ from typing import Optional, Union
 
 import torch
 
-from ._internal.validation import check_choice
+from .._internal.validation import check_choice
 
 __all__ = ["RULES", "RULE_CODES", "check_rule", "denominator"]
 
