@@ -4,9 +4,10 @@ Re-exports only; each module holds one idea (the maths are in :mod:`.optimizer`)
 """
 
 from .averager import AdaAlterAverager
+from .build import build_local_adaalter
 from .hook import LocalSGDState, local_sgd_hook
 from .lazy_correction import RULE_CODES, RULES, check_rule, denominator
-from .optimizer import LocalAdaAlter, build_local_adaalter
+from .optimizer import LocalAdaAlter
 from .outer_sgd import OuterSGD
 from .schedule import LocalAdaAlterSchedule
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .._internal.validation import check_group_ready, check_hook_call, check_int, check_process_group
 from .._internal.collectives import allreduce_mean, completed_future
-from .schedule import LocalAdaAlterSchedule, _find_owner
+from .schedule import LocalAdaAlterSchedule, find_owner
 
 __all__ = ["LocalSGDState", "local_sgd_hook"]
 
@@ -166,7 +166,7 @@ def local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.futur
     check_hook_call("local_sgd_hook", state, LocalSGDState, bucket)
     sched = state.schedule
     if not sched.has_driver:
-        owner = _find_owner(bucket.parameters())
+        owner = find_owner(bucket.parameters())
         if owner is not None:
             state.attach(owner)  # raises on a warm-up mismatch, before any step
             sched = owner

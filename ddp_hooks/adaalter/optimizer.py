@@ -67,31 +67,23 @@ Conventions:
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from .._internal.validation import check_float, check_process_group
-from .checkpoint import check_loadable
+from .._internal.validation import check_process_group
 from .averager import AdaAlterAverager
+from .checkpoint import check_loadable
+from .checks import check_positive
 from .lazy_correction import check_rule, denominator
-from .hook import LocalSGDState, local_sgd_hook
+from .hook import LocalSGDState
 from .outer_sgd import OuterSGD, outer_settings
-from .schedule import LocalAdaAlterSchedule, _register_owner, driver_settings
+from .schedule import LocalAdaAlterSchedule, driver_settings, register_owner
 
-__all__ = ["LocalAdaAlter", "build_local_adaalter"]
+__all__ = ["LocalAdaAlter"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_positive(name: str, value, reason: str) -> float:
-    return check_float(name, value, 0.0, float("inf"), low_open=True, high_open=True, reason=reason)
-
-
-def _check_ddp_model(ddp_model) -> None:
-    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"`ddp_model` must be a DistributedDataParallel model, got {type(ddp_model).__name__}")
 
 
 class LocalAdaAlter(torch.optim.Optimizer):
@@ -153,8 +145,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
         outer_momentum: float = 0.0,
         outer_nesterov: bool = True,
     ) -> None:
-        _check_positive("lr", lr, "it is the learning rate")
-        _check_positive("eps", eps, "eps^2 is the initial accumulation; 0 would divide by zero at the first step")
+        check_positive("lr", lr, "it is the learning rate")
+        check_positive("eps", eps, "eps^2 is the initial accumulation; 0 would divide by zero at the first step")
         schedule = LocalAdaAlterSchedule(warmup_steps=warmup_steps, period=period)
         check_process_group("process_group", process_group)
         lazy_correction = check_rule(lazy_correction)
@@ -170,7 +162,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
                                          outer=None if outer.is_plain_average else outer)
         self.process_group = process_group
         self.amp_agreements = 0  # one-float allreduces issued to agree on skipping
-        _register_owner(self._params(), schedule)
+        register_owner(self._params(), schedule)
         logger.info("LocalAdaAlter: lr=%s eps=%s period=%s warmup_steps=%s lazy_correction=%s outer_lr=%s "
                     "outer_momentum=%s outer_nesterov=%s", lr, eps, period, warmup_steps, lazy_correction,
                     outer_lr, outer_momentum, outer_nesterov)
@@ -196,7 +188,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
             self.state[p] = {"sum_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                              "local_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         if hasattr(self, "schedule"):
-            _register_owner(self.param_groups[-1]["params"], self.schedule)
+            register_owner(self.param_groups[-1]["params"], self.schedule)
             outer = self.averager.outer
             if outer is not None and outer.has_anchor:  # the anchors no longer cover every parameter
                 logger.warning("LocalAdaAlter: a parameter group was added; the outer optimizer restarts (velocity "
@@ -343,42 +335,3 @@ class LocalAdaAlter(torch.optim.Optimizer):
                 outer.load_state_dict(outer_state, self._params())
         self.amp_agreements, self.averager.averagings = amp_agreements, averagings
 
-
-def build_local_adaalter(
-    ddp_model: torch.nn.parallel.DistributedDataParallel,
-    lr: float = 0.5,
-    eps: float = 1.0,
-    period: int = 4,
-    warmup_steps: int = 0,
-    process_group: Optional[dist.ProcessGroup] = None,
-    lazy_correction: Union[str, bool] = "rate",
-    outer_lr: float = 1.0,
-    outer_momentum: float = 0.0,
-    outer_nesterov: bool = True,
-) -> Tuple[LocalSGDState, LocalAdaAlter]:
-    """Build the hook state and the optimizer from one set of numbers; register the hook.
-
-    Returns:
-        ``(hook_state, optimizer)`` sharing one :class:`LocalAdaAlterSchedule`.
-
-    Example::
-
-        >>> import os, tempfile, torch, torch.distributed as dist
-        >>> store = os.path.join(tempfile.mkdtemp(), "store")
-        >>> dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
-        >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
-        >>> hook_state, opt = build_local_adaalter(model, lr=0.5, eps=1.0, period=2, warmup_steps=1)
-        >>> for _ in range(3):
-        ...     model(torch.ones(4, 3)).sum().backward()
-        ...     opt.step(); opt.zero_grad()
-        >>> hook_state.allreduce_calls, hook_state.schedule is opt.schedule, opt.schedule.last_sync
-        (1, True, 3)
-        >>> dist.destroy_process_group()
-    """
-    _check_ddp_model(ddp_model)
-    hook_state = LocalSGDState(process_group=process_group, warmup_steps=warmup_steps)
-    opt = LocalAdaAlter(ddp_model.parameters(), lr=lr, eps=eps, period=period, warmup_steps=warmup_steps,
-                        process_group=process_group, lazy_correction=lazy_correction, hook_state=hook_state,
-                        outer_lr=outer_lr, outer_momentum=outer_momentum, outer_nesterov=outer_nesterov)
-    ddp_model.register_comm_hook(hook_state, local_sgd_hook)
-    return hook_state, opt
