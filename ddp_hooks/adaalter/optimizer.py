@@ -72,6 +72,7 @@ from typing import Any, Dict, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .._internal.collectives import world_size_and_rank
 from .._internal.validation import check_process_group
 from .averager import AdaAlterAverager
 from .checkpoint import check_loadable
@@ -198,16 +199,6 @@ class LocalAdaAlter(torch.optim.Optimizer):
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _world_size(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.process_group)
-
-    def _rank(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 0
-        return dist.get_rank(self.process_group)
-
     def _settings(self) -> Dict[str, Any]:
         return {**driver_settings(self.param_groups), **outer_settings(self.averager.outer)}
 
@@ -215,14 +206,14 @@ class LocalAdaAlter(torch.optim.Optimizer):
         """Before the first step's collectives: all ranks built alike? (Done by the hook when it ran first.)"""
         if not self.schedule.cross_checked:
             device = self.param_groups[0]["params"][0].device
-            self.schedule.check_across_ranks(self.process_group, self._world_size(), device)
+            self.schedule.check_across_ranks(self.process_group, world_size_and_rank(self.process_group)[0], device)
 
     def _skip_for_amp(self, warmup: bool) -> bool:
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
         if found_inf is None:
             return False
         flag = found_inf.detach().to(torch.float32).reshape(1).clone()
-        if not warmup and self._world_size() > 1:
+        if not warmup and world_size_and_rank(self.process_group)[0] > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
             self.amp_agreements += 1
         return bool(flag.item() > 0)
@@ -293,7 +284,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         sd["schedule"] = self.schedule.state_dict()
         sd["amp_agreements"] = self.amp_agreements
         sd["averagings"] = self.averager.averagings
-        sd["world_size"], sd["rank"] = self._world_size(), self._rank()
+        sd["world_size"], sd["rank"] = world_size_and_rank(self.process_group)
         if self.averager.outer is not None:
             sd["outer"] = self.averager.outer.state_dict()
         return sd
@@ -313,7 +304,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         before anything is changed (:mod:`ddp_hooks.adaalter.checkpoint`).
         """
         outer = self.averager.outer
-        check_loadable(state_dict, self._params(), self._world_size(), self._rank(), self.schedule, outer)
+        check_loadable(state_dict, self._params(), *world_size_and_rank(self.process_group), self.schedule, outer)
         state_dict = dict(state_dict)
         state_dict.pop("world_size", None)
         state_dict.pop("rank", None)
