@@ -54,14 +54,9 @@ Conventions:
   rank 0's parameters at construction.
 * A parameter without ``.grad`` is not updated and adds nothing to ``A``, but it
   is still averaged at synchronisations (every rank sends the same tensors).
-* With ``torch.amp.GradScaler`` the optimizer unscales the gradients itself
-  (``_step_supports_amp_scaling``) and, during local steps, all ranks agree on
-  skipping a step with a one-float ``MAX`` allreduce of ``found_inf``, so a rank
-  that saw inf/NaN never falls out of step. A skipped step does not advance
-  the schedule (the hook stays in its phase). In warm-up the averaged
-  gradients already agree, so no extra collective is needed. Only the ranks'
-  loss scales may differ after a local skip, which is harmless because local
-  gradients are never mixed.
+* With ``torch.amp.GradScaler`` the optimizer unscales the gradients itself,
+  all ranks skip a step alike, and a skipped step does not advance the
+  schedule (:mod:`ddp_hooks.adaalter.amp`).
 """
 
 from __future__ import annotations
@@ -74,11 +69,12 @@ import torch.distributed as dist
 
 from .._internal.collectives import world_size_and_rank
 from .._internal.validation import check_process_group
+from .amp import inverse_scale, skip_step
 from .averager import AdaAlterAverager
-from .checkpoint import check_loadable
+from .checkpoint import add_extra_state, load_checked
 from .checks import check_positive
-from .lazy_correction import check_rule, denominator
 from .hook import LocalSGDState
+from .lazy_correction import check_rule, denominator
 from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule, driver_settings, register_owner
 
@@ -210,13 +206,10 @@ class LocalAdaAlter(torch.optim.Optimizer):
 
     def _skip_for_amp(self, warmup: bool) -> bool:
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
-        if found_inf is None:
-            return False
-        flag = found_inf.detach().to(torch.float32).reshape(1).clone()
-        if not warmup and world_size_and_rank(self.process_group)[0] > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            self.amp_agreements += 1
-        return bool(flag.item() > 0)
+        agree = found_inf is not None and not warmup and world_size_and_rank(self.process_group)[0] > 1
+        skip = skip_step(found_inf, agree=agree, group=self.process_group)
+        self.amp_agreements += int(agree)
+        return skip
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -232,8 +225,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         warmup = sched.in_warmup
         if self._skip_for_amp(warmup):
             return loss  # the schedule does not advance: the step did not happen
-        grad_scale = getattr(self, "grad_scale", None)
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        inv_scale = inverse_scale(getattr(self, "grad_scale", None))  # set by GradScaler.step
         local_steps = sched.local_steps_next()
         for group in self.param_groups:
             lr, eps2, rule = group["lr"], group["eps"] ** 2, group["lazy_correction"]
@@ -280,14 +272,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """Accumulators, hyperparameters, the schedule, the counters ``amp_agreements``, ``averagings``,
         and the ``world_size`` and ``rank`` that saved it."""
-        sd = super().state_dict()
-        sd["schedule"] = self.schedule.state_dict()
-        sd["amp_agreements"] = self.amp_agreements
-        sd["averagings"] = self.averager.averagings
-        sd["world_size"], sd["rank"] = world_size_and_rank(self.process_group)
-        if self.averager.outer is not None:
-            sd["outer"] = self.averager.outer.state_dict()
-        return sd
+        return add_extra_state(super().state_dict(), self)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore accumulators and the schedule; period and warm-up must match this optimizer's.
@@ -303,26 +288,4 @@ class LocalAdaAlter(torch.optim.Optimizer):
         unknown rules and outer-optimizer mismatches raise ``ValueError``
         before anything is changed (:mod:`ddp_hooks.adaalter.checkpoint`).
         """
-        outer = self.averager.outer
-        check_loadable(state_dict, self._params(), *world_size_and_rank(self.process_group), self.schedule, outer)
-        state_dict = dict(state_dict)
-        state_dict.pop("world_size", None)
-        state_dict.pop("rank", None)
-        schedule = state_dict.pop("schedule")
-        outer_state = state_dict.pop("outer", None)
-        if outer is not None and outer_state is None:
-            logger.warning("LocalAdaAlter: the state holds no outer optimizer (saved without one); the outer "
-                           "optimizer starts at the next averaging")
-        amp_agreements = int(state_dict.pop("amp_agreements", 0))
-        averagings = int(state_dict.pop("averagings", 0))
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # states saved before the rules had names hold a bool
-            group["lazy_correction"] = check_rule(group["lazy_correction"])
-        self.schedule.load_state_dict(schedule)
-        if outer is not None:
-            if outer_state is None:
-                outer.anchors = outer.velocities = None
-            else:
-                outer.load_state_dict(outer_state, self._params())
-        self.amp_agreements, self.averager.averagings = amp_agreements, averagings
-
+        load_checked(self, state_dict, super().load_state_dict)
