@@ -185,7 +185,7 @@ class AdaAlterAverager:
         if self.outer is not None and params is None:
             raise ValueError("an averager with an outer optimizer needs `params` to load its state "
                              "(the anchors take their shapes and devices)")
-        check = LocalAdaAlterSchedule(self.schedule.warmup_steps, self.schedule.period)
+        check = LocalAdaAlterSchedule(warmup_steps=self.schedule.warmup_steps, period=self.schedule.period)
         check.load_state_dict(state["schedule"])  # validated on a copy: a refused state changes nothing
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"], _flatten_params(params))

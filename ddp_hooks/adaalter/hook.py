@@ -146,7 +146,8 @@ class LocalSGDState:
 
     def __setstate__(self, state):
         sched = state["schedule"]
-        self.__init__(None, schedule=LocalAdaAlterSchedule(sched["warmup_steps"], sched["period"] or None))
+        schedule = LocalAdaAlterSchedule(warmup_steps=sched["warmup_steps"], period=sched["period"] or None)
+        self.__init__(None, schedule=schedule)
         self.load_state_dict(state)
 
 

@@ -236,8 +236,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
                     raise RuntimeError("LocalAdaAlter does not support sparse gradients")
                 g = p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.dtype)
                 st = self.state[p]
-                denom = denominator(rule, st["sum_sq"], self._sq_rate(p) if rule == "rate" else None, eps2,
-                                    local_steps)
+                denom = denominator(rule, sum_sq=st["sum_sq"], sq_rate=self._sq_rate(p) if rule == "rate" else None,
+                                    eps2=eps2, local_steps=local_steps)
                 p.addcdiv_(g, denom, value=-lr)
                 if warmup and rule == "rate":
                     torch.mul(g, g, out=self._sq_rate(p))  # B2's growth at this step
