@@ -98,9 +98,9 @@ class LocalAdaAlter(torch.optim.Optimizer):
             recent growth per step (module docstring); ``"paper"`` (also
             ``True``, the default before): the paper's ``(t - t0) * eps^2``;
             ``"constant"`` (also ``False``): the authors' constant ``eps^2``.
-            Why ``"rate"``: on Fashion-MNIST and a character LSTM it kept
-            Local AdaAlter at synchronous AdaGrad's accuracy where the paper's
-            rule lost points (README, "Local AdaAlter on real data").
+            Why ``"rate"``: its placeholder grows as the accumulator has been
+            growing, where a fixed ``eps^2`` may be far from a model's squared
+            gradients (measurements: README, "Local AdaAlter on real data").
         outer_lr (float): > 0; the outer optimizer's learning rate (1, the
             default, with ``outer_momentum=0`` is plain averaging).
         outer_momentum (float): in [0, 1); the outer optimizer's momentum
