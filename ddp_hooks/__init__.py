@@ -14,12 +14,9 @@ Local AdaAlter (Xie, Koyejo, Gupta, Lin, 2019)::
 Test helpers live in :mod:`ddp_hooks.testing`.
 """
 
-from .adaalter import LocalAdaAlter, build_local_adaalter
-from .averager import AdaAlterAverager
+from .adaalter import (AdaAlterAverager, LocalAdaAlter, LocalAdaAlterSchedule, LocalSGDState, OuterSGD,
+                       build_local_adaalter, local_sgd_hook)
 from .baselines import build_local_sgd, build_sync_adagrad
-from .local_sgd import LocalSGDState, local_sgd_hook
-from .outer_sgd import OuterSGD
-from .schedule import LocalAdaAlterSchedule
 from .sparsify import SparsifyState, build_sparsify_sgd, check_optimizer, sparsify_hook
 
 __version__ = "0.1.0"

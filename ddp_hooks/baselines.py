@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_loca
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ._internal.validation import check_float, check_int, check_process_group
-from .adaalter import _check_ddp_model, _check_positive
+from .adaalter.checks import check_ddp_model, check_positive
 
 __all__ = ["AllreduceCounter", "counting_allreduce_hook", "build_sync_adagrad", "build_local_sgd"]
 
@@ -71,9 +71,9 @@ def build_sync_adagrad(
         1
         >>> dist.destroy_process_group()
     """
-    _check_ddp_model(ddp_model)
-    _check_positive("lr", lr, "it is the learning rate")
-    _check_positive("eps", eps, "eps^2 is the initial accumulator value")
+    check_ddp_model(ddp_model)
+    check_positive("lr", lr, "it is the learning rate")
+    check_positive("eps", eps, "eps^2 is the initial accumulator value")
     check_process_group("process_group", process_group)
     counter = AllreduceCounter(process_group)
     ddp_model.register_comm_hook(counter, counting_allreduce_hook)
@@ -96,8 +96,8 @@ def build_local_sgd(
     Returns:
         ``(hook_state, optimizer, averager)``.
     """
-    _check_ddp_model(ddp_model)
-    _check_positive("lr", lr, "it is the learning rate")
+    check_ddp_model(ddp_model)
+    check_positive("lr", lr, "it is the learning rate")
     check_int("period", period, 1, "it is the number of local steps between averagings")
     check_int("warmup_steps", warmup_steps, 0, "it is the number of synchronous steps before local steps start")
     check_float("momentum", momentum, 0.0, 1.0, high_open=True, reason="it is SGD's momentum factor")

@@ -26,8 +26,8 @@ from typing import Callable, Dict, Iterable, Optional
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._internal.validation import check_int
-from ._internal.collectives import check_same_on_all_ranks
+from .._internal.validation import check_int
+from .._internal.collectives import check_same_on_all_ranks
 from .lazy_correction import RULE_CODES, check_rule
 from .outer_sgd import outer_settings
 
@@ -179,12 +179,18 @@ def driver_settings(param_groups) -> Dict:
             "groups_crc32": zlib.crc32(every.encode())}
 
 
-def _register_owner(params: Iterable, schedule: LocalAdaAlterSchedule) -> None:
+def register_owner(params: Iterable, schedule: LocalAdaAlterSchedule) -> None:
+    """Record ``schedule`` as the one that ``params``' optimizer advances (held weakly, by identity)."""
     for p in params:
         _OWNERS[p] = schedule
 
 
-def _find_owner(params: Iterable) -> Optional[LocalAdaAlterSchedule]:
+def find_owner(params: Iterable) -> Optional[LocalAdaAlterSchedule]:
+    """The schedule registered for the first of ``params`` that has one, else ``None``.
+
+    This is how a hook state built on its own finds its optimizer's schedule
+    from the parameters DDP hands it in a bucket.
+    """
     for p in params:
         owner = _OWNERS.get(p)
         if owner is not None:

@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_hooks.adaalter import LocalAdaAlter, build_local_adaalter
-from ddp_hooks.local_sgd import LocalSGDState, local_sgd_hook
+from ddp_hooks.adaalter import LocalAdaAlter, LocalSGDState, build_local_adaalter, local_sgd_hook
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
 
 LR, EPS = 0.3, 0.8

@@ -13,7 +13,7 @@ Every rank must pass the same list of tensors in the same order, whether or
 not a parameter received a gradient this step: the collective's size then
 never depends on which parameters were used, so it cannot deadlock.
 
-With an outer optimizer (:class:`~ddp_hooks.outer_sgd.OuterSGD`, DiLoCo's and
+With an outer optimizer (:class:`~ddp_hooks.adaalter.outer_sgd.OuterSGD`, DiLoCo's and
 SlowMo's), the averaged parameters are then replaced by an outer SGD step
 from the parameters of the last synchronisation; the accumulators are
 averaged as before.
@@ -26,8 +26,8 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._internal.validation import check_process_group
-from ._internal.collectives import check_same_on_all_ranks
+from .._internal.collectives import check_same_on_all_ranks, world_size_and_rank
+from .._internal.validation import check_process_group
 from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule
 
@@ -114,11 +114,6 @@ class AdaAlterAverager:
         self.averagings = 0
         self._outer_checked = False
 
-    def _world_size(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.process_group)
-
     @torch.no_grad()
     def average_(self, tensors: List[torch.Tensor]) -> None:
         """Replace each tensor by its mean across ranks, in one allreduce.
@@ -126,7 +121,7 @@ class AdaAlterAverager:
         All tensors must be dense and on one device; integer tensors are not
         averaged meaningfully and are rejected.
         """
-        world = self._world_size()
+        world, _ = world_size_and_rank(self.process_group)
         if world == 1 or not tensors:
             return
         dtype = tensors[0].dtype
@@ -154,7 +149,7 @@ class AdaAlterAverager:
             Whether this call ended with an averaging (also on a single rank).
         """
         params = _flatten_params(params)
-        world = self._world_size()
+        world, _ = world_size_and_rank(self.process_group)
         if world > 1 and params:  # before the first averaging: do all ranks average on the same steps?
             self.schedule.check_across_ranks(self.process_group, world, params[0].device)
             self._check_outer_across_ranks(world, params[0].device)
@@ -190,7 +185,7 @@ class AdaAlterAverager:
         if self.outer is not None and params is None:
             raise ValueError("an averager with an outer optimizer needs `params` to load its state "
                              "(the anchors take their shapes and devices)")
-        check = LocalAdaAlterSchedule(self.schedule.warmup_steps, self.schedule.period)
+        check = LocalAdaAlterSchedule(warmup_steps=self.schedule.warmup_steps, period=self.schedule.period)
         check.load_state_dict(state["schedule"])  # validated on a copy: a refused state changes nothing
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"], _flatten_params(params))

@@ -8,11 +8,11 @@ authors' code warms up synchronously) runs in two phases:
    optimizer performs synchronous AdaAlter on the averaged gradient;
 2. local steps: the hook returns the bucket untouched (a completed future, no
    traffic); the optimizer averages parameters and accumulators every
-   ``period`` steps (:class:`~ddp_hooks.averager.AdaAlterAverager`).
+   ``period`` steps (:class:`~ddp_hooks.adaalter.averager.AdaAlterAverager`).
 
 The hook never counts steps itself when a
-:class:`~ddp_hooks.adaalter.LocalAdaAlter` optimizer owns the bucket's
-parameters: it reads that optimizer's :class:`~ddp_hooks.schedule.LocalAdaAlterSchedule`,
+:class:`~ddp_hooks.adaalter.optimizer.LocalAdaAlter` optimizer owns the bucket's
+parameters: it reads that optimizer's :class:`~ddp_hooks.adaalter.schedule.LocalAdaAlterSchedule`,
 which only advances on steps really taken. A step skipped by ``GradScaler``
 therefore leaves the hook in the same phase for the next backward (unlike
 PyTorch's ``post_localSGD_hook``, issue 76282). Only without such an optimizer
@@ -23,7 +23,7 @@ At its first call the hook checks that a process group exists and that its
 backend moves the gradients' device, refuses a bucket cast by a compression
 wrapper, and compares the schedule (and the optimizer's numbers) across ranks
 with one small ``all_gather``
-(:meth:`~ddp_hooks.schedule.LocalAdaAlterSchedule.check_across_ranks`), so
+(:meth:`~ddp_hooks.adaalter.schedule.LocalAdaAlterSchedule.check_across_ranks`), so
 that mismatched ranks fail alike instead of averaging on different steps.
 """
 
@@ -35,9 +35,9 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ._internal.validation import check_group_ready, check_hook_call, check_int, check_process_group
-from ._internal.collectives import allreduce_mean, completed_future
-from .schedule import LocalAdaAlterSchedule, _find_owner
+from .._internal.validation import check_group_ready, check_hook_call, check_int, check_process_group
+from .._internal.collectives import allreduce_mean, completed_future
+from .schedule import LocalAdaAlterSchedule, find_owner
 
 __all__ = ["LocalSGDState", "local_sgd_hook"]
 
@@ -146,7 +146,8 @@ class LocalSGDState:
 
     def __setstate__(self, state):
         sched = state["schedule"]
-        self.__init__(None, schedule=LocalAdaAlterSchedule(sched["warmup_steps"], sched["period"] or None))
+        schedule = LocalAdaAlterSchedule(warmup_steps=sched["warmup_steps"], period=sched["period"] or None)
+        self.__init__(None, schedule=schedule)
         self.load_state_dict(state)
 
 
@@ -166,7 +167,7 @@ def local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.futur
     check_hook_call("local_sgd_hook", state, LocalSGDState, bucket)
     sched = state.schedule
     if not sched.has_driver:
-        owner = _find_owner(bucket.parameters())
+        owner = find_owner(bucket.parameters())
         if owner is not None:
             state.attach(owner)  # raises on a warm-up mismatch, before any step
             sched = owner

@@ -6,11 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_hooks.adaalter import LocalAdaAlter
-from ddp_hooks.averager import AdaAlterAverager
-from ddp_hooks.local_sgd import LocalSGDState
-from ddp_hooks.outer_sgd import OuterSGD
-from ddp_hooks.schedule import LocalAdaAlterSchedule
+from ddp_hooks.adaalter import AdaAlterAverager, LocalAdaAlter, LocalAdaAlterSchedule, LocalSGDState, OuterSGD
 
 
 def _grads(n_steps, shape=(3, 2), seed=0):

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ._internal.validation import check_bool, check_float
+from .._internal.validation import check_bool, check_float
 
 __all__ = ["OuterSGD", "outer_settings"]
 

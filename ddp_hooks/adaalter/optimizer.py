@@ -5,7 +5,7 @@ Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
 ``lr`` the learning rate, ``eps`` as below, ``H = period``, worker ``i``:
 
 1. Warm-up (synchronous AdaAlter, the paper's Algorithm 1; ``g_t`` is the
-   gradient averaged by :func:`~ddp_hooks.local_sgd.local_sgd_hook`)::
+   gradient averaged by :func:`~ddp_hooks.adaalter.hook.local_sgd_hook`)::
 
        x_t  = x_{t-1} - lr * g_t / sqrt(B2_{t-1} + eps^2)
        B2_t = B2_{t-1} + g_t^2
@@ -16,13 +16,13 @@ Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
        A_i = A_i + g_i,t^2
 
 3. Synchronisation at ``t = t0 + H`` (one flat collective, see
-   :class:`~ddp_hooks.averager.AdaAlterAverager`)::
+   :class:`~ddp_hooks.adaalter.averager.AdaAlterAverager`)::
 
        x_i = mean_j x_j ;  B2_t = B2_t0 + mean_j A_j ;  A_i = 0
 
    With an outer optimizer (``outer_lr``, ``outer_momentum``; DiLoCo,
    arXiv 2311.08105), ``mean_j x_j`` then goes through
-   :class:`~ddp_hooks.outer_sgd.OuterSGD` from the parameters of the last
+   :class:`~ddp_hooks.adaalter.outer_sgd.OuterSGD` from the parameters of the last
    averaging; the accumulators are averaged as above. The first averaging
    only gives the outer optimizer its starting point (parameters that are
    the same on every rank by construction), so it acts from the second on.
@@ -38,7 +38,7 @@ Conventions:
   is ``eps=1.0`` here.
 * The lazy correction stands in the denominator for the squared gradients
   that a synchronous run would have added since ``t0`` and a local step
-  cannot know (``lazy_correction``, :mod:`ddp_hooks.lazy_correction`):
+  cannot know (``lazy_correction``, :mod:`ddp_hooks.adaalter.lazy_correction`):
   ``"paper"`` (``True``) ``sqrt(B2_t0 + (t - t0) * eps^2)``; ``"constant"``
   (``False``) ``sqrt(B2_t0 + eps^2)``, as the authors' MXNet code; ``"rate"``
   ``sqrt(B2_t0 + eps^2 + (t - t0 - 1) * r)``, ``r`` (``state["sq_rate"]``,
@@ -54,44 +54,33 @@ Conventions:
   rank 0's parameters at construction.
 * A parameter without ``.grad`` is not updated and adds nothing to ``A``, but it
   is still averaged at synchronisations (every rank sends the same tensors).
-* With ``torch.amp.GradScaler`` the optimizer unscales the gradients itself
-  (``_step_supports_amp_scaling``) and, during local steps, all ranks agree on
-  skipping a step with a one-float ``MAX`` allreduce of ``found_inf``, so a rank
-  that saw inf/NaN never falls out of step. A skipped step does not advance
-  the schedule (the hook stays in its phase). In warm-up the averaged
-  gradients already agree, so no extra collective is needed. Only the ranks'
-  loss scales may differ after a local skip, which is harmless because local
-  gradients are never mixed.
+* With ``torch.amp.GradScaler`` the optimizer unscales the gradients itself,
+  all ranks skip a step alike, and a skipped step does not advance the
+  schedule (:mod:`ddp_hooks.adaalter.amp`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ._internal.validation import check_float, check_process_group
-from .adaalter_checkpoint import check_loadable
+from .._internal.collectives import world_size_and_rank
+from .._internal.validation import check_process_group
+from .amp import inverse_scale, skip_step
 from .averager import AdaAlterAverager
+from .checkpoint import add_extra_state, load_checked
+from .checks import check_positive
+from .hook import LocalSGDState
 from .lazy_correction import check_rule, denominator
-from .local_sgd import LocalSGDState, local_sgd_hook
 from .outer_sgd import OuterSGD, outer_settings
-from .schedule import LocalAdaAlterSchedule, _register_owner, driver_settings
+from .schedule import LocalAdaAlterSchedule, driver_settings, register_owner
 
-__all__ = ["LocalAdaAlter", "build_local_adaalter"]
+__all__ = ["LocalAdaAlter"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_positive(name: str, value, reason: str) -> float:
-    return check_float(name, value, 0.0, float("inf"), low_open=True, high_open=True, reason=reason)
-
-
-def _check_ddp_model(ddp_model) -> None:
-    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"`ddp_model` must be a DistributedDataParallel model, got {type(ddp_model).__name__}")
 
 
 class LocalAdaAlter(torch.optim.Optimizer):
@@ -109,9 +98,9 @@ class LocalAdaAlter(torch.optim.Optimizer):
             recent growth per step (module docstring); ``"paper"`` (also
             ``True``, the default before): the paper's ``(t - t0) * eps^2``;
             ``"constant"`` (also ``False``): the authors' constant ``eps^2``.
-            Why ``"rate"``: on Fashion-MNIST and a character LSTM it kept
-            Local AdaAlter at synchronous AdaGrad's accuracy where the paper's
-            rule lost points (README, "Local AdaAlter on real data").
+            Why ``"rate"``: its placeholder grows as the accumulator has been
+            growing, where a fixed ``eps^2`` may be far from a model's squared
+            gradients (measurements: README, "Local AdaAlter on real data").
         outer_lr (float): > 0; the outer optimizer's learning rate (1, the
             default, with ``outer_momentum=0`` is plain averaging).
         outer_momentum (float): in [0, 1); the outer optimizer's momentum
@@ -153,8 +142,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
         outer_momentum: float = 0.0,
         outer_nesterov: bool = True,
     ) -> None:
-        _check_positive("lr", lr, "it is the learning rate")
-        _check_positive("eps", eps, "eps^2 is the initial accumulation; 0 would divide by zero at the first step")
+        check_positive("lr", lr, "it is the learning rate")
+        check_positive("eps", eps, "eps^2 is the initial accumulation; 0 would divide by zero at the first step")
         schedule = LocalAdaAlterSchedule(warmup_steps=warmup_steps, period=period)
         check_process_group("process_group", process_group)
         lazy_correction = check_rule(lazy_correction)
@@ -170,7 +159,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
                                          outer=None if outer.is_plain_average else outer)
         self.process_group = process_group
         self.amp_agreements = 0  # one-float allreduces issued to agree on skipping
-        _register_owner(self._params(), schedule)
+        register_owner(self._params(), schedule)
         logger.info("LocalAdaAlter: lr=%s eps=%s period=%s warmup_steps=%s lazy_correction=%s outer_lr=%s "
                     "outer_momentum=%s outer_nesterov=%s", lr, eps, period, warmup_steps, lazy_correction,
                     outer_lr, outer_momentum, outer_nesterov)
@@ -196,7 +185,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
             self.state[p] = {"sum_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                              "local_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         if hasattr(self, "schedule"):
-            _register_owner(self.param_groups[-1]["params"], self.schedule)
+            register_owner(self.param_groups[-1]["params"], self.schedule)
             outer = self.averager.outer
             if outer is not None and outer.has_anchor:  # the anchors no longer cover every parameter
                 logger.warning("LocalAdaAlter: a parameter group was added; the outer optimizer restarts (velocity "
@@ -206,16 +195,6 @@ class LocalAdaAlter(torch.optim.Optimizer):
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _world_size(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.process_group)
-
-    def _rank(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 0
-        return dist.get_rank(self.process_group)
-
     def _settings(self) -> Dict[str, Any]:
         return {**driver_settings(self.param_groups), **outer_settings(self.averager.outer)}
 
@@ -223,17 +202,14 @@ class LocalAdaAlter(torch.optim.Optimizer):
         """Before the first step's collectives: all ranks built alike? (Done by the hook when it ran first.)"""
         if not self.schedule.cross_checked:
             device = self.param_groups[0]["params"][0].device
-            self.schedule.check_across_ranks(self.process_group, self._world_size(), device)
+            self.schedule.check_across_ranks(self.process_group, world_size_and_rank(self.process_group)[0], device)
 
     def _skip_for_amp(self, warmup: bool) -> bool:
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
-        if found_inf is None:
-            return False
-        flag = found_inf.detach().to(torch.float32).reshape(1).clone()
-        if not warmup and self._world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            self.amp_agreements += 1
-        return bool(flag.item() > 0)
+        agree = found_inf is not None and not warmup and world_size_and_rank(self.process_group)[0] > 1
+        skip = skip_step(found_inf, agree=agree, group=self.process_group)
+        self.amp_agreements += int(agree)
+        return skip
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -249,8 +225,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         warmup = sched.in_warmup
         if self._skip_for_amp(warmup):
             return loss  # the schedule does not advance: the step did not happen
-        grad_scale = getattr(self, "grad_scale", None)
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        inv_scale = inverse_scale(getattr(self, "grad_scale", None))  # set by GradScaler.step
         local_steps = sched.local_steps_next()
         for group in self.param_groups:
             lr, eps2, rule = group["lr"], group["eps"] ** 2, group["lazy_correction"]
@@ -261,8 +236,8 @@ class LocalAdaAlter(torch.optim.Optimizer):
                     raise RuntimeError("LocalAdaAlter does not support sparse gradients")
                 g = p.grad if inv_scale is None else p.grad * inv_scale.to(p.grad.dtype)
                 st = self.state[p]
-                denom = denominator(rule, st["sum_sq"], self._sq_rate(p) if rule == "rate" else None, eps2,
-                                    local_steps)
+                denom = denominator(rule, sum_sq=st["sum_sq"], sq_rate=self._sq_rate(p) if rule == "rate" else None,
+                                    eps2=eps2, local_steps=local_steps)
                 p.addcdiv_(g, denom, value=-lr)
                 if warmup and rule == "rate":
                     torch.mul(g, g, out=self._sq_rate(p))  # B2's growth at this step
@@ -297,14 +272,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """Accumulators, hyperparameters, the schedule, the counters ``amp_agreements``, ``averagings``,
         and the ``world_size`` and ``rank`` that saved it."""
-        sd = super().state_dict()
-        sd["schedule"] = self.schedule.state_dict()
-        sd["amp_agreements"] = self.amp_agreements
-        sd["averagings"] = self.averager.averagings
-        sd["world_size"], sd["rank"] = self._world_size(), self._rank()
-        if self.averager.outer is not None:
-            sd["outer"] = self.averager.outer.state_dict()
-        return sd
+        return add_extra_state(super().state_dict(), self)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore accumulators and the schedule; period and warm-up must match this optimizer's.
@@ -318,67 +286,6 @@ class LocalAdaAlter(torch.optim.Optimizer):
         it, with the same number of ranks; anything else raises ``ValueError``.
         Accumulators whose shapes differ from the parameters' (another model),
         unknown rules and outer-optimizer mismatches raise ``ValueError``
-        before anything is changed (:mod:`ddp_hooks.adaalter_checkpoint`).
+        before anything is changed (:mod:`ddp_hooks.adaalter.checkpoint`).
         """
-        outer = self.averager.outer
-        check_loadable(state_dict, self._params(), self._world_size(), self._rank(), self.schedule, outer)
-        state_dict = dict(state_dict)
-        state_dict.pop("world_size", None)
-        state_dict.pop("rank", None)
-        schedule = state_dict.pop("schedule")
-        outer_state = state_dict.pop("outer", None)
-        if outer is not None and outer_state is None:
-            logger.warning("LocalAdaAlter: the state holds no outer optimizer (saved without one); the outer "
-                           "optimizer starts at the next averaging")
-        amp_agreements = int(state_dict.pop("amp_agreements", 0))
-        averagings = int(state_dict.pop("averagings", 0))
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # states saved before the rules had names hold a bool
-            group["lazy_correction"] = check_rule(group["lazy_correction"])
-        self.schedule.load_state_dict(schedule)
-        if outer is not None:
-            if outer_state is None:
-                outer.anchors = outer.velocities = None
-            else:
-                outer.load_state_dict(outer_state, self._params())
-        self.amp_agreements, self.averager.averagings = amp_agreements, averagings
-
-
-def build_local_adaalter(
-    ddp_model: torch.nn.parallel.DistributedDataParallel,
-    lr: float = 0.5,
-    eps: float = 1.0,
-    period: int = 4,
-    warmup_steps: int = 0,
-    process_group: Optional[dist.ProcessGroup] = None,
-    lazy_correction: Union[str, bool] = "rate",
-    outer_lr: float = 1.0,
-    outer_momentum: float = 0.0,
-    outer_nesterov: bool = True,
-) -> Tuple[LocalSGDState, LocalAdaAlter]:
-    """Build the hook state and the optimizer from one set of numbers; register the hook.
-
-    Returns:
-        ``(hook_state, optimizer)`` sharing one :class:`LocalAdaAlterSchedule`.
-
-    Example::
-
-        >>> import os, tempfile, torch, torch.distributed as dist
-        >>> store = os.path.join(tempfile.mkdtemp(), "store")
-        >>> dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
-        >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
-        >>> hook_state, opt = build_local_adaalter(model, lr=0.5, eps=1.0, period=2, warmup_steps=1)
-        >>> for _ in range(3):
-        ...     model(torch.ones(4, 3)).sum().backward()
-        ...     opt.step(); opt.zero_grad()
-        >>> hook_state.allreduce_calls, hook_state.schedule is opt.schedule, opt.schedule.last_sync
-        (1, True, 3)
-        >>> dist.destroy_process_group()
-    """
-    _check_ddp_model(ddp_model)
-    hook_state = LocalSGDState(process_group=process_group, warmup_steps=warmup_steps)
-    opt = LocalAdaAlter(ddp_model.parameters(), lr=lr, eps=eps, period=period, warmup_steps=warmup_steps,
-                        process_group=process_group, lazy_correction=lazy_correction, hook_state=hook_state,
-                        outer_lr=outer_lr, outer_momentum=outer_momentum, outer_nesterov=outer_nesterov)
-    ddp_model.register_comm_hook(hook_state, local_sgd_hook)
-    return hook_state, opt
+        load_checked(self, state_dict, super().load_state_dict)

@@ -1,8 +1,11 @@
-"""Whether a ``LocalAdaAlter.state_dict()`` can load into an optimizer, decided before anything changes.
+"""What a ``LocalAdaAlter.state_dict()`` holds beside ``torch.optim``'s, and whether it can load, decided
+before anything changes.
 
 A Local AdaAlter checkpoint (Xie et al. 2019, arXiv 1911.09030) holds, beside
-the accumulators, the schedule and, with an outer optimizer, its anchor and
-velocity. :func:`check_loadable` raises ``ValueError`` naming what differs
+the accumulators, the schedule, two counters, the world size and rank that
+saved it and, with an outer optimizer, its anchor and velocity
+(:func:`add_extra_state`). :func:`load_checked` first calls
+:func:`check_loadable`, which raises ``ValueError`` naming what differs
 and what to do, so that a refused state leaves the optimizer as it was:
 
 * a state saved between two averagings (``step != last_sync``) holds that
@@ -19,18 +22,65 @@ and what to do, so that a refused state leaves the optimizer as it was:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import logging
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .._internal.collectives import world_size_and_rank
 from .lazy_correction import check_rule
 from .outer_sgd import OuterSGD
 from .schedule import LocalAdaAlterSchedule
 
-__all__ = ["check_loadable"]
+__all__ = ["add_extra_state", "load_checked", "check_loadable"]
+
+logger = logging.getLogger(__name__)
 
 
-def check_loadable(state_dict: Dict[str, Any], params: List[torch.Tensor], world_size: int, rank: int,
+def add_extra_state(state_dict: Dict[str, Any], opt: torch.optim.Optimizer) -> Dict[str, Any]:
+    """``state_dict`` (``torch.optim``'s state of the ``LocalAdaAlter`` ``opt``) with the schedule, the counters
+    ``amp_agreements`` and ``averagings``, the ``world_size`` and ``rank`` that saved it, and the outer
+    optimizer's state if ``opt`` has one."""
+    state_dict["schedule"] = opt.schedule.state_dict()
+    state_dict["amp_agreements"] = opt.amp_agreements
+    state_dict["averagings"] = opt.averager.averagings
+    state_dict["world_size"], state_dict["rank"] = world_size_and_rank(opt.process_group)
+    if opt.averager.outer is not None:
+        state_dict["outer"] = opt.averager.outer.state_dict()
+    return state_dict
+
+
+def load_checked(opt: torch.optim.Optimizer, state_dict: Dict[str, Any],
+                 load_base: Callable[[Dict[str, Any]], None]) -> None:
+    """Load into the ``LocalAdaAlter`` ``opt`` a state that :func:`add_extra_state` completed, if
+    :func:`check_loadable` accepts it; ``load_base`` is ``torch.optim``'s ``load_state_dict`` for the rest."""
+    outer = opt.averager.outer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    world_size, rank = world_size_and_rank(opt.process_group)
+    check_loadable(state_dict, params=params, world_size=world_size, rank=rank, schedule=opt.schedule, outer=outer)
+    state_dict = dict(state_dict)
+    state_dict.pop("world_size", None)
+    state_dict.pop("rank", None)
+    schedule = state_dict.pop("schedule")
+    outer_state = state_dict.pop("outer", None)
+    if outer is not None and outer_state is None:
+        logger.warning("LocalAdaAlter: the state holds no outer optimizer (saved without one); the outer "
+                       "optimizer starts at the next averaging")
+    amp_agreements = int(state_dict.pop("amp_agreements", 0))
+    averagings = int(state_dict.pop("averagings", 0))
+    load_base(state_dict)
+    for group in opt.param_groups:  # states saved before the rules had names hold a bool
+        group["lazy_correction"] = check_rule(group["lazy_correction"])
+    opt.schedule.load_state_dict(schedule)
+    if outer is not None:
+        if outer_state is None:
+            outer.anchors = outer.velocities = None
+        else:
+            outer.load_state_dict(outer_state, params)
+    opt.amp_agreements, opt.averager.averagings = amp_agreements, averagings
+
+
+def check_loadable(state_dict: Dict[str, Any], *, params: List[torch.Tensor], world_size: int, rank: int,
                    schedule: LocalAdaAlterSchedule, outer: Optional[OuterSGD]) -> None:
     """Raise ``ValueError`` unless ``state_dict`` loads into an optimizer over ``params`` with ``schedule``
     and ``outer``, on ``rank`` of ``world_size``."""
@@ -59,7 +109,7 @@ def check_loadable(state_dict: Dict[str, Any], params: List[torch.Tensor], world
             check_rule(group.get("lazy_correction", "paper"))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"the saved param group {i} has an unknown lazy correction: {exc}") from None
-    LocalAdaAlterSchedule(schedule.warmup_steps, schedule.period).load_state_dict(sched)  # on a copy
+    LocalAdaAlterSchedule(warmup_steps=schedule.warmup_steps, period=schedule.period).load_state_dict(sched)  # a copy
     outer_state = state_dict.get("outer")
     if outer_state is not None and outer is None:
         raise ValueError(
@@ -68,4 +118,5 @@ def check_loadable(state_dict: Dict[str, Any], params: List[torch.Tensor], world
             "outer_lr and outer_momentum to resume"
         )
     if outer is not None and outer_state is not None:
-        OuterSGD(outer.lr, outer.momentum, outer.nesterov).load_state_dict(outer_state, params)  # on a copy
+        copy = OuterSGD(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
+        copy.load_state_dict(outer_state, params)  # on a copy

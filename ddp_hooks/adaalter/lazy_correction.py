@@ -25,7 +25,7 @@ Example::
 
     >>> import torch
     >>> b2, r = torch.tensor([4.0]), torch.tensor([0.5])  # third local step: t - t0 = 3
-    >>> [round(denominator(rule, b2, r, eps2=1.0, local_steps=3).item(), 4) for rule in RULES]
+    >>> [round(denominator(rule, sum_sq=b2, sq_rate=r, eps2=1.0, local_steps=3).item(), 4) for rule in RULES]
     [2.6458, 2.2361, 2.4495]
     >>> check_rule("lazy")
     Traceback (most recent call last):
@@ -39,7 +39,7 @@ from typing import Optional, Union
 
 import torch
 
-from ._internal.validation import check_choice
+from .._internal.validation import check_choice
 
 __all__ = ["RULES", "RULE_CODES", "check_rule", "denominator"]
 
@@ -60,7 +60,7 @@ def check_rule(value: Union[str, bool]) -> str:
                         "it is the placeholder in the denominator for the squares a local step cannot know")
 
 
-def denominator(rule: str, sum_sq: torch.Tensor, sq_rate: Optional[torch.Tensor], eps2: float,
+def denominator(rule: str, *, sum_sq: torch.Tensor, sq_rate: Optional[torch.Tensor], eps2: float,
                 local_steps: int) -> torch.Tensor:
     """The rule's denominator at local step ``t - t0 = local_steps`` (a new tensor)."""
     if rule == "rate" and local_steps > 1:

@@ -5,8 +5,7 @@ import io
 import pytest
 import torch
 
-from ddp_hooks.averager import AdaAlterAverager
-from ddp_hooks.outer_sgd import OuterSGD
+from ddp_hooks.adaalter import AdaAlterAverager, OuterSGD
 from ddp_hooks.testing import run_distributed
 
 
