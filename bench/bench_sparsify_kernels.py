@@ -55,7 +55,7 @@ def _group(mb, density):
     return f"{mb}MB-d{density}"
 
 
-class _Bucket:
+class KernelBucket:
     """A flat gradient, its residual and layout, and a SparsifyState bound to a world of one."""
 
     def __init__(self, mb, density, method, scope, aggregation, into_bucket=False, block_size=16):
@@ -132,7 +132,7 @@ def _run_with_own_floor(benchmark, work, refill, numel):
 @pytest.mark.parametrize("mb", SIZES_MB)
 def test_hook(benchmark, mb, density, config):
     benchmark.group = _group(mb, density)
-    bucket = _Bucket(mb, density, *config)
+    bucket = KernelBucket(mb, density, *config)
     bucket.refill()
     bucket.hook_work()  # first call: caches (layout tensors) and allocations
     sent = bucket.state.stats()["bytes_sent"]
@@ -149,7 +149,7 @@ def test_hook(benchmark, mb, density, config):
 def test_random_block_sizes(benchmark, block_size):
     """random_block, layer scope, 25 MB at density 0.01, with other block sizes than the default 16."""
     benchmark.group = _group(25, 0.01)
-    bucket = _Bucket(25, 0.01, "random_block", "layer", "allreduce", block_size=block_size)
+    bucket = KernelBucket(25, 0.01, "random_block", "layer", "allreduce", block_size=block_size)
     bucket.refill()
     bucket.hook_work()
     benchmark.extra_info.update(bytes_sent=bucket.state.stats()["bytes_sent"], density=0.01)
@@ -162,7 +162,7 @@ def test_random_block_sizes(benchmark, block_size):
 def test_scan(benchmark, mb, density):
     """The finiteness and idle scan alone (part of every hook row): one read of the gradient."""
     benchmark.group = _group(mb, density)
-    bucket = _Bucket(mb, density, "random_block", "layer", "allreduce")
+    bucket = KernelBucket(mb, density, "random_block", "layer", "allreduce")
     bucket.refill()
     _run_with_own_floor(benchmark, lambda: scan(bucket.grad, bucket.views, bucket.starts), bucket.refill,
                         bucket.grad.numel())

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from bench_sparsify_kernels import _Bucket
+from bench_sparsify_kernels import KernelBucket
 
 
 def _timed(fn, setup, times):
@@ -44,8 +44,8 @@ def main(argv=None):
     for method, scope in (("random_block", "bucket"), ("random_block", "layer"), ("randomk", "bucket"),
                           ("randomk", "layer"), ("topk", "bucket")):
         aggregation = "allgather" if method == "topk" else "allreduce"
-        paths = {"bucket": _Bucket(args.mb, args.density, method, scope, aggregation, into_bucket=True),
-                 "vector": _Bucket(args.mb, args.density, method, scope, aggregation)}
+        paths = {"bucket": KernelBucket(args.mb, args.density, method, scope, aggregation, into_bucket=True),
+                 "vector": KernelBucket(args.mb, args.density, method, scope, aggregation)}
         times = {"floor": [], "bucket": [], "vector": []}
         for bucket in paths.values():  # first call: caches and allocations
             bucket.refill()

@@ -1,36 +1,4 @@
-"""Run a function on several CPU processes in a gloo group, and compare replicas.
-
-This is the harness behind the package's own multi-process tests, public so
-that downstream code can test its hooks the same way::
-
-    from ddp_hooks.testing import run_distributed
-
-    def body(rank, world_size):
-        import torch, torch.distributed as dist
-        t = torch.tensor([float(rank)])
-        dist.all_reduce(t)
-        return t.item()
-
-    assert run_distributed(body, world_size=2) == [1.0, 1.0]
-
-Design (each point is a trap some harness fell into):
-
-* ``spawn`` start method, so children never inherit a half-initialised torch
-  or process group from the parent.
-* The rendezvous is a ``FileStore`` in a fresh temporary folder: no port to
-  collide with a concurrent test run.
-* Children are joined against one deadline; when it passes, every live child
-  is killed and joined (no zombies) and ``TimeoutError`` names them.
-* A child's exception is pickled back and re-raised in the parent with the
-  child's traceback attached as its ``__cause__``; a child that dies without
-  reporting (a crash, ``os._exit``) raises :class:`ChildFailedError`.  A
-  harness that only checks exit codes, or swallows failures, makes every
-  test pass: ``tests/test_testing.py`` checks that this one does not.
-* A child that returned its result leaves through ``os._exit`` right after
-  ``destroy_process_group``: gloo's teardown aborts now and then at
-  interpreter exit ("terminate called without an active exception") even in
-  plain DDP, and that must not be reported as a test failure.
-"""
+"""Run a function on several CPU processes in a gloo group (:func:`run_distributed`); see :mod:`ddp_hooks.testing`."""
 
 from __future__ import annotations
 
@@ -44,13 +12,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Optional
 
-__all__ = [
-    "ChildFailedError",
-    "RemoteTraceback",
-    "run_distributed",
-    "assert_replicas_equal",
-    "free_port",
-]
+__all__ = ["ChildFailedError", "RemoteTraceback", "run_distributed", "free_port"]
 
 
 class ChildFailedError(RuntimeError):
@@ -291,39 +253,3 @@ def run_distributed(
 
 def _doctest_rank_times_ten(rank: int, world_size: int) -> int:
     return rank * 10
-
-
-def assert_replicas_equal(module, process_group=None, atol: float = 0.0, rtol: float = 0.0) -> None:
-    """Assert that every rank holds the same parameters and buffers as rank 0.
-
-    Call it on every rank (it runs one ``all_gather`` per tensor); on a
-    mismatch every rank raises the same ``AssertionError`` naming the first
-    differing tensor, the rank and the largest difference. With the default
-    tolerances the check is bitwise.
-
-    Args:
-        module (torch.nn.Module): the model (a DDP wrapper works too).
-        process_group: the group to compare across (default: the world).
-        atol, rtol (float): tolerances passed to ``torch.allclose``.
-    """
-    import torch
-    import torch.distributed as dist
-
-    world = dist.get_world_size(process_group)
-    named = list(module.named_parameters()) + list(module.named_buffers())
-    for name, tensor in named:
-        local = tensor.detach().contiguous()
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local, group=process_group)
-        ref = gathered[0]
-        for r in range(1, world):
-            other = gathered[r]
-            same = torch.equal(ref, other) if atol == 0 and rtol == 0 else torch.allclose(
-                ref, other, atol=atol, rtol=rtol, equal_nan=True
-            )
-            if not same:
-                diff = (ref.double() - other.double()).abs().max().item() if ref.is_floating_point() else "n/a"
-                raise AssertionError(
-                    f"replicas differ: tensor {name!r} on rank {r} differs from rank 0 "
-                    f"(max abs difference {diff}, atol={atol}, rtol={rtol})"
-                )

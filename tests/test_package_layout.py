@@ -1,0 +1,83 @@
+"""The package's shape, checked: files of at most 300 lines, no import cycle, no private name across modules."""
+
+import ast
+import os
+
+import pytest
+
+from paths import ROOT
+
+PACKAGE = os.path.join(ROOT, "ddp_hooks")
+
+
+def _python_files(*folders):
+    for folder in folders:
+        for base, _, names in os.walk(os.path.join(ROOT, folder)):
+            for name in sorted(names):
+                if name.endswith(".py"):
+                    yield os.path.join(base, name)
+
+
+def _module_name(path):
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _imports(path):
+    """(imported module, names) for every import in the file, relative ones resolved."""
+    name = _module_name(path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module
+            yield target, [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+
+
+def test_no_file_in_the_package_is_over_300_lines():
+    long = {os.path.relpath(p, ROOT): n for p in _python_files("ddp_hooks") if (n := len(open(p).readlines())) > 300}
+    assert not long
+
+
+def test_the_package_has_no_import_cycle():
+    modules = {_module_name(p): p for p in _python_files("ddp_hooks")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for target, names in _imports(path):
+            for candidate in [f"{target}.{n}" for n in names] + [target]:
+                if candidate in modules and candidate != name:
+                    edges.add(candidate)
+                    break
+        graph[name] = edges
+    # a package's __init__ re-exporting its submodules is not a cycle: drop edges into a package from inside it
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not (modules[t].endswith("__init__.py") and name.startswith(t + "."))}
+    state = {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                pytest.fail(f"import cycle: {' -> '.join(trail + [node, nxt])}")
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+@pytest.mark.parametrize("folder", ["ddp_hooks", "tests", "bench", "recipes"])
+def test_no_private_name_is_imported_from_another_module(folder):
+    crossing = [f"{os.path.relpath(path, ROOT)}: from {target} import {name}"
+                for path in _python_files(folder) for target, names in _imports(path)
+                for name in names if name.startswith("_") and not name.startswith("__")]
+    assert not crossing
