@@ -81,3 +81,21 @@ def test_no_private_name_is_imported_from_another_module(folder):
                 for path in _python_files(folder) for target, names in _imports(path)
                 for name in names if name.startswith("_") and not name.startswith("__")]
     assert not crossing
+
+
+def test_the_public_names_stay_where_users_import_them():
+    import inspect
+
+    import ddp_hooks
+    from ddp_hooks.adaalter import LocalAdaAlter
+    from ddp_hooks.sparsify import sparsify_hook
+    from ddp_hooks.testing import assert_replicas_equal, free_port, run_distributed  # noqa: F401
+
+    assert sparsify_hook is ddp_hooks.sparsify_hook and LocalAdaAlter is ddp_hooks.LocalAdaAlter
+    assert set(ddp_hooks.__all__) >= {
+        "SparsifyState", "sparsify_hook", "build_sparsify_sgd", "check_optimizer", "LocalAdaAlter",
+        "build_local_adaalter", "AdaAlterAverager", "OuterSGD", "LocalSGDState", "local_sgd_hook",
+        "LocalAdaAlterSchedule", "build_sync_adagrad", "build_local_sgd", "__version__"}
+    assert list(inspect.signature(ddp_hooks.SparsifyState).parameters) == [
+        "process_group", "method", "density", "scope", "aggregation", "error_feedback", "warmup_steps", "seed",
+        "momentum", "weight_decay", "grad_scaler", "block_size", "optimizer_momentum", "density_warmup_steps"]

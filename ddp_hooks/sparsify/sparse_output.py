@@ -2,10 +2,9 @@ r"""Float32 result vectors kept at zero between steps, so a sparse result costs 
 
 A sparsified step's result is zero except at the ``k`` positions some rank
 sent. Writing it into DDP's bucket buffer means zeroing the whole buffer
-first, a full write of the gradient's size; ``bench/compare_result_paths.py``
-measures what avoiding it saves (for random-block on a 25 MB bucket, 0.2 to
-0.8 of the ``residual.add_(grad)`` that error feedback needs anyway, on a
-2-core CPU). Instead the hook can return a
+first, a full write of the gradient's size (README, "The hook's own work,
+per bucket", measures what avoiding it saves: ``bench/compare_result_paths.py``).
+Instead the hook can return a
 vector of its own: DDP copies a hook's result into ``.grad`` from whatever
 tensor the future holds, exactly as it copies from its own buffer. This
 vector stays zero except where the previous step wrote, so clearing it

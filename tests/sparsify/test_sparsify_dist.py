@@ -241,12 +241,12 @@ def _foreign_state(rank, world, kind):
     # over in, the two models share their first parameter numbers and shapes.
     small = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))  # noqa: E731
     big = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))  # noqa
-    sd = trained({"rank": _model, "fewer_params": big}.get(kind, small)(), rank)
+    sd = trained({"rank": small_mlp, "fewer_params": big}.get(kind, small)(), rank)
     if kind == "rank":  # the other rank's file
         rows = [None] * world
         torch.distributed.all_gather_object(rows, sd)
         sd = rows[1 - rank]
-    target = {"rank": _model, "fewer_params": small, "more_params": big,
+    target = {"rank": small_mlp, "fewer_params": small, "more_params": big,
               "other_shape": lambda: torch.nn.Sequential(torch.nn.Linear(4, 5, bias=False))}[kind]()
     st = SparsifyState(density=0.1)
     st.load_state_dict(sd)
