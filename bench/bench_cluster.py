@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(REPO, "recipes"))
 from cluster import Cluster, ClusterError, IFNAME, check_prerequisites, exit_on_signals, parse_rate  # noqa: E402
 from cluster_control import ack_path, pending_request, write_atomic  # noqa: E402
 from cluster_plan import (ADAALTER, BANDWIDTHS, FP16, POWERSGD, SYNC_ADAGRAD, Method, Run,  # noqa: E402
-                          full_plan, headline_plan, quick_plan, repeat, sparsifier)
+                          full_plan, headline_plan, quick_plan, repeat, shared_topk_plan, sparsifier)
 from run_metrics import format_bytes  # noqa: E402
 
 PORT = 29500  # inside host 0's namespace: nothing else listens there
@@ -215,6 +215,7 @@ SUMMARY = (("fp16", FP16), ("PowerSGD r1", POWERSGD[1]), ("PowerSGD r4", POWERSG
            ("top-k 0.01", sparsifier("topk", 0.01, "layer", "allgather")),
            ("random-k 0.01", sparsifier("randomk", 0.01, "layer", "allreduce")),
            ("random-block 0.01", sparsifier("random_block", 0.01, "layer", "allreduce")),
+           ("shared top-k 0.01", sparsifier("shared_topk", 0.01, "layer", "allreduce")),
            ("sync AdaGrad", SYNC_ADAGRAD), ("AdaAlter H=4", ADAALTER[4]), ("AdaAlter H=8", ADAALTER[8]))
 
 
@@ -309,6 +310,8 @@ def build_plan(args) -> Dict[int, List[Run]]:
         runs = quick_plan()
     elif args.headline:
         runs = headline_plan()
+    elif args.shared_topk:
+        runs = shared_topk_plan()
     else:
         runs = full_plan(args.hosts, args.models, args.bandwidths)
     runs = repeat(runs, args.rounds)
@@ -326,6 +329,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--headline", action="store_true",
                    help="only the rows of the targets: resnet18 on 4 hosts, the allreduce hook, random-block at "
                         "0.01 and PowerSGD rank 4 at 1gbit and 100mbit (best with --rounds)")
+    p.add_argument("--shared-topk", action="store_true",
+                   help="shared top-k against top-k, random-block and the allreduce hook: resnet20 and resnet18 "
+                        "on 4 hosts at 1gbit and 100mbit")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure the whole plan this many times; tables show the median over rounds (default: 1)")
     p.add_argument("--hosts", type=int, nargs="+", default=None, help="host counts (default: 2 4)")
@@ -349,11 +355,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="print the tables of an earlier results file and exit (needs no root)")
     args = p.parse_args(argv)
     chosen = [name for name in ("hosts", "models", "bandwidths") if getattr(args, name) is not None]
-    if args.quick and args.headline:
-        p.error("choose one of --quick and --headline")
-    for name in ("quick", "headline"):
+    if args.quick + args.headline + args.shared_topk > 1:
+        p.error("choose one of --quick, --headline and --shared-topk")
+    for name in ("quick", "headline", "shared_topk"):
         if getattr(args, name) and chosen:
-            p.error(f"--{name} has its own plan; it does not take --{', --'.join(chosen)}")
+            p.error(f"--{name.replace('_', '-')} has its own plan; it does not take --{', --'.join(chosen)}")
     args.hosts = args.hosts or [2, 4]
     args.models = args.models or ["resnet20", "resnet18"]
     args.bandwidths = args.bandwidths or list(BANDWIDTHS)
@@ -371,7 +377,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     # slowest last: the untimed steps of each method run unshaped, then the rates go down
     args.bandwidths = sorted(set(args.bandwidths), key=_bandwidth_key, reverse=True)
     if args.out is None:
-        name = "cluster-quick" if args.quick else "cluster-headline" if args.headline else "cluster"
+        name = ("cluster-quick" if args.quick else "cluster-headline" if args.headline
+                else "cluster-shared-topk" if args.shared_topk else "cluster")
         args.out = os.path.join(REPO, "bench", "results", name + ".jsonl")
     return args
 

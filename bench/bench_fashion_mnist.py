@@ -7,6 +7,8 @@ Run (each part is one command; ``--part`` picks the table)::
     python bench/bench_fashion_mnist.py --part ablations                      # 1 seed
     python bench/bench_fashion_mnist.py --part block-sizes
     python bench/bench_fashion_mnist.py --part workers                        # random-block, 2 and 4 ranks
+    python bench/bench_fashion_mnist.py --part shared-topk --seeds 3          # 2 and 4 ranks (issue 18)
+    python bench/bench_fashion_mnist.py --part shared-topk-ablations --seeds 3  # low-pass filter, momentum
     python bench/bench_fashion_mnist.py --quick                               # a smoke run: 1 seed, 1 epoch
 
 Data: Fashion-MNIST from Debian's ``dataset-fashion-mnist`` package (read by
@@ -265,7 +267,30 @@ def report(paths, merge=False):
         print(f"\n{matrix(list(merged.values()))}\n")
 
 
-PARTS = {"headline": headline, "ablations": ablations, "block-sizes": block_sizes, "workers": workers}
+def shared_topk(densities=(0.05, 0.01)):
+    """Shared top-k (one leader's positions, AllReduce) against top-k (AllGather), random-block and dense."""
+    runs = [run_config("dense", hook="dense")]
+    for d in densities:
+        for method in ("topk", "random_block", "shared_topk"):
+            runs.append(run_config(f"{method} d={d:g}", hook="sparsify", method=method, density=d,
+                                   **({"aggregation": "allgather"} if method == "topk" else {})))
+    return runs
+
+
+def shared_topk_ablations(density=0.01):
+    """Shared top-k: ScaleCom's low-pass filter on the error-feedback memory (error_feedback_beta) against
+    plain error feedback (beta 1), and the optimizer's momentum per step instead of counted in sends."""
+    runs = [run_config("dense", hook="dense")]
+    for beta in (1.0, 0.9, 0.5):
+        runs.append(run_config(f"shared_topk beta={beta:g} d={density:g}", hook="sparsify", method="shared_topk",
+                               density=density, error_feedback_beta=beta))
+    runs.append(run_config(f"shared_topk momentum-steps d={density:g}", hook="sparsify", method="shared_topk",
+                           density=density, optimizer_momentum="steps"))
+    return runs
+
+
+PARTS = {"headline": headline, "ablations": ablations, "block-sizes": block_sizes, "workers": workers,
+         "shared-topk": shared_topk, "shared-topk-ablations": shared_topk_ablations}
 
 
 def main(argv=None):

@@ -36,7 +36,9 @@ from ddp_hooks import SparsifyState
 from ddp_hooks.sparsify.commit import commit
 from ddp_hooks.sparsify.exchange import Piece, launch
 from ddp_hooks.sparsify.nonfinite import scan
-from ddp_hooks.sparsify.selectors import Unit
+from ddp_hooks.sparsify.selectors import Unit, budgets
+from ddp_hooks.sparsify.selectors.shared_topk import leaders
+from ddp_hooks.sparsify.selectors.topk import topk_units
 from ddp_hooks.sparsify.state import Binding
 
 SIZES_MB = (1, 25)
@@ -48,7 +50,9 @@ ROUNDS = 15
 LAYERS = 50  # "layer" scope: the bucket holds 50 equal layers, like a mid-size CNN's bucket
 CONFIGS = [("random_block", "bucket", "allreduce"), ("random_block", "layer", "allreduce"),
            ("randomk", "bucket", "allreduce"), ("randomk", "layer", "allreduce"),
-           ("topk", "bucket", "allgather"), ("topk", "layer", "allgather")]
+           ("topk", "bucket", "allgather"), ("topk", "layer", "allgather"),
+           # at world size 1 the rank leads every unit: all of top-k's selection (test_selection: per rank at 4)
+           ("shared_topk", "layer", "allreduce")]
 
 
 def _group(mb, density):
@@ -166,4 +170,37 @@ def test_scan(benchmark, mb, density):
     bucket.refill()
     _run_with_own_floor(benchmark, lambda: scan(bucket.grad, bucket.views, bucket.starts), bucket.refill,
                         bucket.grad.numel())
+    vars(bucket).clear()
+
+
+@pytest.mark.parametrize("selector", ["topk", "shared_topk-per-rank-w4"])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("mb", SIZES_MB)
+def test_selection(benchmark, mb, density, selector):
+    """Selection alone over 4 steps, layer scope, from |p|: top-k of every layer, or one rank's share at 4 ranks.
+
+    ``shared_topk-per-rank-w4``: at each of 4 steps rank 0 selects the
+    layers it leads (``leaders``), so the rotation is averaged over. The other ranks' part of the exchange (receiving the
+    positions) is a collective, absent here as in every row.
+    """
+    benchmark.group = _group(mb, density)
+    bucket = KernelBucket(mb, density, "topk", "layer", "allgather")
+    bucket.refill()
+    magnitude = bucket.grad.abs()
+    mask = torch.empty((magnitude.numel() + 7) // 8 * 8, dtype=torch.bool)
+    units = bucket.units
+    ks = budgets(units, density)
+    if selector == "topk":  # four steps, as the other row
+        shares = [list(range(len(units)))] * 4
+    else:
+        shares = [[i for i, leader in enumerate(leaders([u.key for u in units], step, 4)) if leader == 0]
+                  for step in range(4)]
+
+    def select():
+        for share in shares:
+            topk_units(magnitude, [units[i].offset for i in share], [units[i].numel for i in share],
+                       [ks[i] for i in share], mask)
+
+    benchmark.extra_info.update(bytes_sent=0, density=density, steps_per_call=len(shares))
+    _run_with_own_floor(benchmark, select, lambda: None, bucket.grad.numel())
     vars(bucket).clear()

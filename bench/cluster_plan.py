@@ -35,7 +35,7 @@ class Method:
     label: str
     hook: str
     optimizer: str = "sgd"
-    method: Optional[str] = None  # sparsify: topk, randomk, random_block
+    method: Optional[str] = None  # sparsify: topk, randomk, random_block, shared_topk
     density: Optional[float] = None
     scope: Optional[str] = None
     aggregation: Optional[str] = None
@@ -96,7 +96,7 @@ class Run:
 
 
 def sparsifier(method: str, density: float, scope: str, aggregation: str) -> Method:
-    label = {"topk": "top-k", "randomk": "random-k", "random_block": "random-block"}[method]
+    label = {"topk": "top-k", "randomk": "random-k", "random_block": "random-block", "shared_topk": "shared top-k"}[method]
     return Method(label, "sparsify", method=method, density=density, scope=scope, aggregation=aggregation)
 
 
@@ -156,3 +156,14 @@ def quick_plan() -> List[Run]:
              SYNC_ADAGRAD, ADAALTER[4]]
     shaped = ("1gbit", "100mbit")
     return [Run(2, "resnet20", small, shaped), Run(4, "resnet20", small, shaped)] + headline_plan()
+
+
+def shared_topk_plan() -> List[Run]:
+    """Issue 18: shared top-k against top-k (AllGather), random-block and the allreduce hook, on 4 hosts,
+    both models, at 1 Gbit/s and 100 Mbit/s."""
+    methods = [ALLREDUCE]
+    for density in (0.01, 0.05):
+        methods += [sparsifier("topk", density, "layer", "allgather"),
+                    sparsifier("shared_topk", density, "layer", "allreduce")]
+    methods += [sparsifier("random_block", 0.01, "layer", "allreduce"), ALLREDUCE_AGAIN]
+    return [Run(4, model, methods, ("1gbit", "100mbit")) for model in ("resnet20", "resnet18")]

@@ -7,6 +7,9 @@ the medians over the rounds:
 
 * ``kernels``: each version's ``bench/bench_sparsify_kernels.py``; per row,
   its minimum time over its own interleaved ``add_`` floor (``x floor``).
+* ``calls``: each version's kernel-benchmark bucket, 1 MB, where a call's
+  fixed costs weigh most and 15 rounds are too few: the median of 300 hook
+  calls per row, in microseconds.
 * ``cluster``: each version's ``bench/bench_cluster.py --quick`` (root, network
   namespaces); per sparsifier row, the time inside the hook calls
   (``compression s``) and the seconds per step.
@@ -16,6 +19,7 @@ The other version is a folder holding its tree, e.g. one made with
 ``ddp_hooks`` (``PYTHONPATH``)::
 
     python bench/compare_versions.py kernels --other /tmp/before --rounds 3
+    python bench/compare_versions.py calls --other /tmp/before --rounds 3
     sudo python bench/compare_versions.py cluster --other /tmp/before --rounds 2
 """
 
@@ -50,6 +54,36 @@ def kernel_rows(tree: str, out: str) -> Dict[str, float]:
             if "own_floor_min_s" in b["extra_info"]}
 
 
+_CALLS = """
+import json, statistics, sys, time, torch
+sys.path.insert(0, "bench")
+torch.set_num_threads(1)
+import bench_sparsify_kernels as kernels
+bucket_class = getattr(kernels, "KernelBucket", None) or getattr(kernels, "_Bucket")  # (its name before issue 17)
+rows = {}
+for config in [("random_block", "layer", "allreduce"), ("topk", "bucket", "allgather"), ("randomk", "bucket", "allreduce")]:
+    for density in (0.01, 0.1):
+        bucket = bucket_class(1, density, *config)
+        bucket.refill()
+        bucket.hook_work()
+        times = []
+        for _ in range(300):
+            bucket.refill()
+            start = time.perf_counter()
+            bucket.hook_work()
+            times.append(time.perf_counter() - start)
+        rows["1MB-%g-%s" % (density, "-".join(config))] = statistics.median(times) * 1e6
+json.dump(rows, open(sys.argv[1], "w"))
+"""
+
+
+def call_rows(tree: str, out: str) -> Dict[str, float]:
+    """Median microseconds of 300 hook calls on 1 MB buckets, with ``tree``'s kernel-benchmark bucket."""
+    _run(tree, ["-c", _CALLS, out])
+    with open(out) as f:
+        return json.load(f)
+
+
 def cluster_rows(tree: str, out: str) -> Dict[str, float]:
     """Run ``tree``'s quick cluster benchmark; per sparsifier row, compression s and s/step."""
     _run(tree, ["bench/bench_cluster.py", "--quick", "--out", out])
@@ -66,11 +100,11 @@ def cluster_rows(tree: str, out: str) -> Dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["kernels", "cluster"])
+    p.add_argument("what", choices=["kernels", "calls", "cluster"])
     p.add_argument("--other", required=True, help="the folder holding the other version's tree")
     p.add_argument("--rounds", type=int, default=3, help="runs of each version, alternating (default 3)")
     args = p.parse_args()
-    measure = kernel_rows if args.what == "kernels" else cluster_rows
+    measure = {"kernels": kernel_rows, "calls": call_rows, "cluster": cluster_rows}[args.what]
     results = {"other": defaultdict(list), "this": defaultdict(list)}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
@@ -79,7 +113,7 @@ def main() -> None:
                 for name, value in rows.items():
                     results[label][name].append(value)
                 print(f"round {round_ + 1}/{args.rounds}: {label} done", file=sys.stderr)
-    unit = "x floor" if args.what == "kernels" else "seconds"
+    unit = {"kernels": "x floor", "calls": "microseconds", "cluster": "seconds"}[args.what]
     print(f"$ python bench/compare_versions.py {args.what} --other {args.other} --rounds {args.rounds}\n")
     print(f"| row | other ({unit}, median) | this | this / other |")
     print("|---|---|---|---|")

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_hooks.sparsify.selectors import selector_class, selector_names
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helper modules beside this file
 
 from cifar_data import ImageSet, augment, load_cifar10, make_synthetic  # noqa: E402
@@ -116,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("communication hook")
     g.add_argument("--hook", choices=HOOKS, default="allreduce", help="DDP comm hook (default: allreduce)")
-    g.add_argument("--method", choices=("topk", "randomk", "random_block"), default=None,
+    g.add_argument("--method", choices=selector_names(), default=None,
                    help="sparsify: coordinate selector (default: random_block)")
     g.add_argument("--density", type=float, default=None,
                    help="sparsify: fraction of entries sent, in (0, 1] (default: 0.01)")
@@ -225,9 +227,10 @@ def validate_args(args, cuda_available: bool) -> None:
     if args.hook == "sparsify":
         if not 0.0 < args.density <= 1.0:
             raise ValueError(f"--density must be in (0, 1]: it is the fraction of entries sent, got {args.density}")
-        if args.method == "topk" and args.aggregation == "allreduce":
-            raise ValueError("--method topk needs --aggregation allgather: each rank's top-k entries sit at "
-                             "different positions, so their values alone cannot be summed by an allreduce")
+        selector = selector_class(args.method)
+        if args.aggregation not in selector.aggregations:
+            raise ValueError(f"--method {args.method} needs --aggregation {' or '.join(selector.aggregations)}: "
+                             f"{selector.aggregation_reason}")
     if args.optimizer == "local_adaalter":
         if not args.outer_lr > 0.0:
             raise ValueError(f"--outer-lr must be > 0: it is the outer optimizer's learning rate, got {args.outer_lr}")

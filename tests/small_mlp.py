@@ -22,4 +22,4 @@ def flat(tensors):
 #: Every (method, scope, aggregation) the sparsifier serves.
 COMBOS = [("topk", s, "allgather") for s in ("layer", "bucket", "global")] + [
     (m, s, a) for m in ("randomk", "random_block") for s in ("layer", "bucket", "global") for a in ("allreduce", "allgather")
-]
+] + [("shared_topk", s, "allreduce") for s in ("layer", "bucket", "global")]

@@ -34,7 +34,7 @@ def commit(state, flights: List[Flight], scale: Optional[torch.Tensor]) -> None:
     for flight, (_, write) in zip(flights, results):
         if flight.residual is not None:
             fold_step(flight.grad, flight.positions, flight.residual, flight.velocity, discard=discard,
-                      inv_scale=inv_scale, idle=flight.idle)
+                      inv_scale=inv_scale, idle=flight.idle, beta=state.options.error_feedback_beta)
         target = flight.grad.zero_() if flight.result is None else flight.result.clear()
         written = write(target)
         if flight.update is not None and applied:

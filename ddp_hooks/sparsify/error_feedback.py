@@ -104,7 +104,7 @@ class VelocityChange:
 
 def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualChange,
               velocity: Optional[VelocityChange], *, discard: torch.Tensor, inv_scale: Optional[torch.Tensor],
-              idle: Optional[torch.Tensor] = None) -> None:
+              idle: Optional[torch.Tensor] = None, beta: float = 1.0) -> None:
     """Fold the step's gradient into this rank's float32 states; a discarded step leaves them unchanged.
 
     The one place where the per-rank states absorb a gradient, and so where
@@ -116,7 +116,15 @@ def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualCha
     ``w = sent / S`` there. Positions whose parameter had no gradient
     (``idle``, one bool per sent position) and discarded steps keep ``e``
     and ``w``. ``grad`` may be overwritten (it receives the result next).
+
+    With ``beta`` < 1 (ScaleCom's low-pass filter, ``error_feedback_beta``)
+    the residual becomes ``(1 - beta) e + beta (p - c)``: ``e + beta g / S``
+    where nothing was sent, ``(1 - beta) e + beta r`` where it was (``r``
+    the rounding to the wire dtype, else 0).
     """
+    if beta != 1.0:
+        return _fold_filtered(grad, positions, residual, velocity, discard=discard, inv_scale=inv_scale, idle=idle,
+                              beta=beta)
     e = residual.vector
     on_host = discard.device.type == "cpu"  # the verdict is free to read there: branch instead of masking
     if on_host and bool(discard):
@@ -153,3 +161,27 @@ def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualCha
             velocity.vector.scatter_(0, positions, sent)
         else:
             velocity.vector.index_put_((positions,), torch.where(frozen, velocity.before, sent))
+
+
+def _fold_filtered(grad, positions, residual, velocity, *, discard, inv_scale, idle, beta: float) -> None:
+    """:func:`fold_step` with the low-pass filter ``beta`` < 1 (kept apart so that ``beta`` = 1 stays bitwise)."""
+    e = residual.vector
+    on_host = discard.device.type == "cpu"
+    if on_host and bool(discard):
+        return
+    if not on_host:
+        fill_if(grad, discard, 0.0, sync_free=True)
+    e.add_(grad if inv_scale is None else grad * inv_scale, alpha=beta)
+    if residual.decay is not None:
+        if not on_host:
+            fill_if(residual.decay, discard, 0.0, sync_free=True)
+        e.add_(residual.decay, alpha=beta)
+    frozen = idle if on_host else (discard if idle is None else idle | discard)
+    # at the sent positions: (1 - beta) e_before + beta r, r the rounding (0 when none); frozen keep e_before
+    left = residual.before * (1.0 - beta)
+    if residual.rounding is not None:
+        left.add_(residual.rounding if inv_scale is None else residual.rounding * inv_scale, alpha=beta)
+    e.index_put_((positions,), left if frozen is None else torch.where(frozen, residual.before, left))
+    if velocity is not None:
+        sent = velocity.sent if inv_scale is None else velocity.sent * inv_scale
+        velocity.vector.index_put_((positions,), sent if frozen is None else torch.where(frozen, velocity.before, sent))

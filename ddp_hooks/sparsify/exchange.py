@@ -86,12 +86,14 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
                                rank=SHARED if shared else rank, device=grad.device, group=group, world_size=world)
     if everything:
         positions = torch.arange(grad.numel(), device=grad.device)
-    elif selector.reads_values:  # |p| in memory kept from step to step, then the positions
-        magnitude, mask = state.scratch.take(grad.numel(), grad.device)
-        compensated(grad, carried(residual, decay), scale, out=magnitude).abs_()
-        positions = selector.select(request._replace(magnitude=magnitude, scratch_mask=mask))
     else:
+        if selector.reads_values:  # |p| in memory kept from step to step
+            magnitude, mask = state.scratch.take(grad.numel(), grad.device)
+            compensated(grad, carried(residual, decay), scale, out=magnitude).abs_()
+            request = request._replace(magnitude=magnitude, scratch_mask=mask)
         positions = selector.select(request)
+        if selector.communicates:  # count the bytes of the selector's own collectives
+            state.counters.add(0, selector.agreement_bytes(request), 0, 0)
     # p at the chosen positions only (the same float operations as the whole p)
     before = None if residual is None else residual.index_select(0, positions)
     values = compensated(grad.index_select(0, positions),

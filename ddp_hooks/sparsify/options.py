@@ -83,6 +83,13 @@ class SparsifyOptions:
             about ``density_warmup_steps * (1 - density) / ln(1 / density)``
             dense steps' bytes in all (215 for 1000 steps at density 0.01),
             and needs no knowledge of the run's length.
+        error_feedback_beta (float): in (0, 1] (1). Below 1, a low-pass
+            filter on the error-feedback memory, after ScaleCom (Chen et al.,
+            NeurIPS 2020): ``e_{t+1} = (1 - beta) e_t + beta (p_t - c_t)``,
+            i.e. ``e + beta g`` where nothing was sent and ``(1 - beta) e``
+            where it was. It gives up exact mass conservation: a fraction
+            ``1 - beta`` of each sent residual stays to be sent again, and
+            only ``beta`` of each unsent gradient is kept. Needs error feedback.
         seed (int): seed of the random selectors, in [0, 2**63 - 1].
         block_size (int): ``random_block`` only: entries per block, >= 1.
             Each step sends a random set of blocks (``k`` entries in all);
@@ -132,6 +139,7 @@ class SparsifyOptions:
     block_size: int = 16
     optimizer_momentum: str = "auto"
     density_warmup_steps: Optional[int] = None
+    error_feedback_beta: float = 1.0
     selector: Selector = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +166,12 @@ class SparsifyOptions:
                                      reason="it is the factor of the velocity kept from one step to the next"))
         set_("weight_decay", check_float("weight_decay", self.weight_decay, 0.0, float("inf"), high_open=True,
                                          reason="it is the L2 penalty folded into each rank's gradient"))
+        set_("error_feedback_beta", check_float(
+            "error_feedback_beta", self.error_feedback_beta, 0.0, 1.0, low_open=True,
+            reason="it is the factor of the low-pass filter on the error-feedback memory (1: no filter)"))
+        if self.error_feedback_beta != 1.0 and not self.error_feedback:
+            raise ValueError(f"`error_feedback_beta`={self.error_feedback_beta!r} needs `error_feedback`=True: it "
+                             "filters the error-feedback memory, which does not exist without it")
         if self.momentum > 0.0 and not self.error_feedback:
             raise ValueError(
                 f"`momentum`={self.momentum!r} needs `error_feedback`=True: the hook's velocity is what error "
@@ -217,6 +231,7 @@ class SparsifyOptions:
             "block_size": self.block_size,
             "optimizer_momentum": OPTIMIZER_MOMENTUM_CODES[self.optimizer_momentum],
             "density_warmup_steps": self.density_warmup_steps,
+            "error_feedback_beta_bits": float_to_bits(self.error_feedback_beta),
         }
 
     @staticmethod
@@ -235,7 +250,8 @@ class SparsifyOptions:
                 f"block_size={ints.get('block_size', '(not saved)')}, optimizer_momentum="
                 + (repr(_name_of(OPTIMIZER_MOMENTUM_CODES, ints['optimizer_momentum']))
                    if 'optimizer_momentum' in ints else "'(not saved)'")
-                + f", density_warmup_steps={ints.get('density_warmup_steps', '(not saved)')}")
+                + f", density_warmup_steps={ints.get('density_warmup_steps', '(not saved)')}"
+                + f", error_feedback_beta={bits_to_float(ints.get('error_feedback_beta_bits', float_to_bits(1.0))):g}")
 
 
 #: The constructor arguments of :class:`SparsifyOptions`, in order.

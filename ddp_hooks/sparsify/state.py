@@ -48,7 +48,7 @@ class SparsifyState:
 
     Args:
         process_group: the group to communicate in; ``None`` is the default group.
-        method (str): the selector: ``"random_block"`` (default), ``"topk"``, ``"randomk"``.
+        method (str): the selector: ``"random_block"`` (default), ``"topk"``, ``"randomk"``, ``"shared_topk"``.
         density (float): fraction of entries sent per unit, in (0, 1] (0.01).
         scope (str): the unit with its own budget: ``"layer"`` (default), ``"bucket"``, ``"global"``.
         aggregation (str): ``"allreduce"`` (default; shared positions) or ``"allgather"``.
@@ -59,6 +59,7 @@ class SparsifyState:
         block_size (int): ``random_block``'s entries per block (16).
         momentum, weight_decay (float): the hook's own momentum and weight decay (0, 0).
         optimizer_momentum (str): ``"auto"`` (default), ``"sends"`` or ``"steps"``.
+        error_feedback_beta (float): a low-pass filter on the residual, in (0, 1] (1: none).
         grad_scaler (torch.amp.GradScaler): the scaler of an AMP run, or
             ``None``. Gradients reach the hook multiplied by the loss scale
             ``S``, which the scaler changes between steps; with the scaler
@@ -124,6 +125,7 @@ class SparsifyState:
         block_size: int = 16,
         optimizer_momentum: str = "auto",
         density_warmup_steps: Optional[int] = None,
+        error_feedback_beta: float = 1.0,
     ) -> None:
         check_process_group("process_group", process_group)
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
@@ -132,7 +134,8 @@ class SparsifyState:
         self.options = SparsifyOptions(
             method=method, density=density, scope=scope, aggregation=aggregation, error_feedback=error_feedback,
             warmup_steps=warmup_steps, seed=seed, momentum=momentum, weight_decay=weight_decay,
-            block_size=block_size, optimizer_momentum=optimizer_momentum, density_warmup_steps=density_warmup_steps)
+            block_size=block_size, optimizer_momentum=optimizer_momentum, density_warmup_steps=density_warmup_steps,
+            error_feedback_beta=error_feedback_beta)
         if self.options.density == 1.0:
             warnings.warn("SparsifyState: density=1 sends every entry; the hook then costs a plain allreduce "
                           "plus bookkeeping", stacklevel=2)

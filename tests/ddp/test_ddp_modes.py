@@ -177,7 +177,7 @@ def test_sparsify_hook_under_every_ddp_mode():
 
 
 ALL_COMBOS = [(method, scope, "allgather" if method == "topk" else "allreduce")
-              for method in ("topk", "randomk", "random_block") for scope in ("layer", "bucket", "global")]
+              for method in ("topk", "randomk", "random_block", "shared_topk") for scope in ("layer", "bucket", "global")]
 
 
 def _empty_parameter(rank, world):

@@ -93,7 +93,8 @@ def test_checkpoint_codes_are_explicit():
     assert (ints["method"], ints["scope"], ints["aggregation"], ints["optimizer_momentum"]) == (0, 2, 1, 2)
     codes = {name: SparsifyOptions(method=name, aggregation="allgather").config_ints()["method"]
              for name in ("topk", "randomk", "random_block")}
-    assert codes == {"topk": 0, "randomk": 1, "random_block": 2}
+    codes["shared_topk"] = SparsifyOptions(method="shared_topk").config_ints()["method"]
+    assert codes == {"topk": 0, "randomk": 1, "random_block": 2, "shared_topk": 3}
 
 
 def _string_constants_outside_docstrings(module):
@@ -112,5 +113,5 @@ def test_the_exchange_never_names_a_selector():
     from ddp_hooks.sparsify import commit, error_feedback, exchange, hook, step_run
 
     for module in (exchange, commit, hook, step_run, error_feedback):
-        named = _string_constants_outside_docstrings(module) & {"topk", "randomk", "random_block"}
+        named = _string_constants_outside_docstrings(module) & {"topk", "randomk", "random_block", "shared_topk"}
         assert not named, (module.__name__, named)

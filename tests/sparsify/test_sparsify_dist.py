@@ -195,6 +195,7 @@ def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, momentum_in_
     # velocities (SparsifyState(momentum=...)) follow the same path as residuals
     ("randomk", "layer", "allgather", 0, True), ("random_block", "layer", "allreduce", 2, True),
     ("topk", "global", "allgather", 0, True),
+    ("shared_topk", "layer", "allreduce", 0, False), ("shared_topk", "global", "allreduce", 0, True),
 ])
 def test_checkpoint_resume_is_exact(tmp_path, method, scope, aggregation, warmup, momentum_in_hook):
     assert run_distributed(_resume, 2, str(tmp_path), method, scope, aggregation, warmup,

@@ -11,7 +11,7 @@ from paths import FIXTURES
 
 
 @pytest.mark.parametrize("kwargs,exc,pattern", [
-    ({"method": "top_k"}, ValueError, r"`method` must be one of 'topk', 'randomk', 'random_block', got 'top_k'"),
+    ({"method": "top_k"}, ValueError, r"`method` must be one of 'topk', 'randomk', 'random_block', 'shared_topk', got 'top_k'"),
     ({"density": 0}, ValueError, r"`density` must be a float in \(0, 1\], got 0.0; it is the fraction"),
     ({"density": 1.5}, ValueError, r"`density` must be a float in \(0, 1\], got 1.5"),
     ({"density": float("nan")}, ValueError, r"`density` must be a float in \(0, 1\], got nan"),

@@ -5,6 +5,8 @@
 * ``random_block`` (:mod:`.random_block`): a uniformly random set of blocks
   of ``block_size`` consecutive positions, every coordinate sent with
   probability exactly ``k / n``.
+* ``shared_topk`` (:mod:`.shared_topk`): one leader rank's top-k positions
+  per unit, rotating over the ranks, used by all (AllReduce).
 
 :mod:`.base` says what a selector is and states for the exchange;
 :mod:`.registry` lists them. Pure tensor functions: no ``torch.distributed``.

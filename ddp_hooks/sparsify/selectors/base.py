@@ -116,6 +116,8 @@ class Selector:
     #: why the aggregations left out are refused (named in the error)
     aggregation_reason: ClassVar[str] = ""
     positions_travel: ClassVar[bool] = False
+    #: it runs collectives of its own to agree on positions (their bytes: :meth:`agreement_bytes`)
+    communicates: ClassVar[bool] = False
     reads_values: ClassVar[bool] = False
     leaves_at_random_times: ClassVar[bool] = False
 
@@ -126,15 +128,36 @@ class Selector:
 
     def select(self, request: SelectionRequest) -> torch.Tensor:
         """Positions (int64, 1-D): the concatenation over units of each unit's ``budget`` positions."""
+        units = request.units
+        if not isinstance(units, tuple):
+            units = tuple(units)
+            request = request._replace(units=units)
+        ks = budgets(units, request.density)
+        if all(k == u.numel for u, k in zip(units, ks)):  # density 1: everything, in order
+            device = request.where
+            return torch.cat([torch.arange(u.offset, u.offset + u.numel, device=device) for u in units])
+        if not _ascending(units):
+            return torch.cat([self.select(request._replace(units=(u,))) for u in units])
+        return self.choose(request, ks)
+
+    def agreement_bytes(self, request: SelectionRequest) -> int:
+        """The bytes :meth:`select` hands to collectives of the selector's own for ``request`` (the stats count them)."""
         units = tuple(request.units)
         ks = budgets(units, request.density)
-        device = request.where
-        if all(k == u.numel for u, k in zip(units, ks)):  # density 1: everything, in order
-            return torch.cat([torch.arange(u.offset, u.offset + u.numel, device=device) for u in units])
-        if not all(a.offset + a.numel <= b.offset for a, b in zip(units, units[1:])):
-            return torch.cat([self.select(request._replace(units=(u,))) for u in units])
-        return self.choose(request._replace(units=units), ks)
+        if all(k == u.numel for u, k in zip(units, ks)):
+            return 0
+        if not _ascending(units):
+            return sum(self.agreement_bytes(request._replace(units=(u,))) for u in units)
+        return self.selection_bytes(request._replace(units=units), ks)
 
     def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
         """Positions for units in increasing position order, ``ks`` their budgets (some below their unit)."""
         raise NotImplementedError
+
+    def selection_bytes(self, request: SelectionRequest, ks: Tuple[int, ...]) -> int:
+        """For :meth:`agreement_bytes`, as :meth:`choose` is for :meth:`select` (0: no collective of its own)."""
+        return 0
+
+
+def _ascending(units) -> bool:
+    return all(a.offset + a.numel <= b.offset for a, b in zip(units, units[1:]))

@@ -30,6 +30,7 @@ from ..._internal.seeding import SHARED
 from .base import SelectionRequest, Selector, Unit
 from .random_block import RandomBlock
 from .randomk import RandomK
+from .shared_topk import SharedTopK
 from .topk import TopK
 
 __all__ = ["BUILT_IN", "register_selector", "selector_class", "selector_names", "selector_by_code", "selector_for",
@@ -38,7 +39,7 @@ __all__ = ["BUILT_IN", "register_selector", "selector_class", "selector_names", 
 AGGREGATIONS = ("allreduce", "allgather")
 
 #: The selectors every SparsifyState knows, in the order their names are listed in errors.
-BUILT_IN: Tuple[Type[Selector], ...] = (TopK, RandomK, RandomBlock)
+BUILT_IN: Tuple[Type[Selector], ...] = (TopK, RandomK, RandomBlock, SharedTopK)
 
 _BY_NAME: Dict[str, Type[Selector]] = {}
 _BY_CODE: Dict[int, Type[Selector]] = {}

@@ -1,0 +1,118 @@
+r"""Shared top-k: one leader rank's top-k positions, used by every rank, so values are summed by AllReduce.
+
+Plain top-k lets each rank choose its own positions, so each must send them
+with its values and the exchange is an AllGather: every rank receives
+``(W - 1) k`` values and positions, growing with the number of ranks ``W``.
+ScaleCom (Chen et al., NeurIPS 2020, "Scalable Sparsified Gradient
+Compression") has one worker per step, cycling through the workers, choose
+its local top-k positions for everybody; every worker then sends its own
+values at those positions, and values at shared positions sum by AllReduce.
+
+Per unit ``u`` (a layer, a bucket, or all buckets) and step ``t``:
+
+1. **Leader.** ``leader = (t + key_u) mod W``: it rotates with the step and,
+   in layer scope, across the units of a step, so each rank selects for
+   about ``1 / W`` of the units and the selection work is spread.
+2. **Select.** The leader takes the top ``k_u`` of ``|p|``, its own
+   error-corrected gradient ``p = g + e`` (exact, as :mod:`.topk`).
+3. **Share.** Every rank receives the leaders' positions: one ``broadcast``
+   when a single rank leads every unit of the request (bucket or global
+   scope), else one ``all_gather`` of each rank's led positions (int32 when
+   the vector allows, each row padded to the longest). Positions thus
+   travel once per unit, from its leader, instead of from every rank.
+
+The exchange then sends each rank's ``p`` at those positions and sums them
+by AllReduce; error feedback keeps the rest, as for every selector, so every
+gradient reaches the model exactly once. A rank's large entries wait for its
+own turn as leader at most ``W - 1`` steps, unless another leader picks them
+first. The positions collective runs inside the hook call (blocking, one
+small collective per exchange).
+
+Example (one process: the rank leads every unit)::
+
+    >>> import torch
+    >>> from ddp_hooks.sparsify.selectors import SelectionRequest, Unit
+    >>> p = torch.tensor([0.5, -4.0, 1.0, 3.0, 0.0, -2.0])
+    >>> request = SelectionRequest(units=(Unit(0, 0, 3), Unit(1, 3, 3)), density=0.34, seed=0, step=0,
+    ...                            magnitude=p.abs())
+    >>> sorted(SharedTopK().select(request).tolist())
+    [1, 2, 3, 5]
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .base import SelectionRequest, Selector
+from .topk import topk_units
+
+__all__ = ["SharedTopK", "leaders"]
+
+
+def leaders(keys, step: int, world_size: int) -> List[int]:
+    """The leader rank of each unit key at ``step``: ``(step + key) mod world_size``."""
+    return [(step + key) % world_size for key in keys]
+
+
+class SharedTopK(Selector):
+    """The top-k positions of one leader rank per unit, rotating, shared by all: values summed by AllReduce."""
+
+    name = "shared_topk"
+    code = 3
+    aggregations = ("allreduce",)
+    aggregation_reason = ("every rank sends at its unit's leader's positions, which are shared, so the values "
+                          "are summed by AllReduce; AllGather would only send them W - 1 more times")
+    reads_values = True
+    communicates = True
+
+    def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
+        units, world = request.units, request.world_size
+        rank = dist.get_rank(request.group) if world > 1 else 0
+        lead = leaders([u.key for u in units], request.step, world)
+        mine = [i for i, leader in enumerate(lead) if leader == rank]
+        chosen = self._top_k(request, [units[i] for i in mine], [ks[i] for i in mine])
+        if world == 1:
+            return chosen
+        index_dtype = torch.int32 if request.magnitude.numel() < 2**31 else torch.int64
+        if len(set(lead)) == 1:  # one leader for the whole request: one broadcast
+            total = sum(ks)
+            positions = chosen.to(index_dtype) if rank == lead[0] else torch.empty(total, dtype=index_dtype,
+                                                                                   device=request.where)
+            dist.broadcast(positions, dist.get_global_rank(request.group, lead[0]), group=request.group)
+            return positions.long()
+        # several leaders: each rank's led positions, padded to the longest, in one all_gather
+        per_rank = [sum(k for k, leader in zip(ks, lead) if leader == r) for r in range(world)]
+        row = torch.zeros(max(per_rank), dtype=index_dtype, device=request.where)
+        row[:chosen.numel()] = chosen
+        rows = [torch.empty_like(row) for _ in range(world)]
+        dist.all_gather(rows, row, group=request.group)
+        # back to unit order: unit i's positions are the next ks[i] of its leader's row
+        taken = [0] * world
+        parts = []
+        for k, leader in zip(ks, lead):
+            parts.append(rows[leader][taken[leader]:taken[leader] + k])
+            taken[leader] += k
+        return torch.cat(parts).long()
+
+    def selection_bytes(self, request: SelectionRequest, ks: Tuple[int, ...]) -> int:
+        """This rank's share of the positions collective: what it broadcasts, or its padded row."""
+        world = request.world_size
+        if world == 1:
+            return 0
+        itemsize = 4 if request.magnitude.numel() < 2**31 else 8
+        lead = leaders([u.key for u in request.units], request.step, world)
+        if len(set(lead)) == 1:
+            rank = dist.get_rank(request.group)
+            return sum(ks) * itemsize if rank == lead[0] else 0
+        return max(sum(k for k, leader in zip(ks, lead) if leader == r) for r in range(world)) * itemsize
+
+    @staticmethod
+    def _top_k(request: SelectionRequest, units, ks) -> torch.Tensor:
+        """This rank's top-k of the units it leads (ascending, as in the request), concatenated."""
+        if not units:
+            return torch.zeros(0, dtype=torch.int64, device=request.where)
+        return topk_units(request.magnitude, [u.offset for u in units], [u.numel for u in units], ks,
+                          request.scratch_mask)

@@ -1,0 +1,69 @@
+"""Shared top-k: the leader's top-k positions, rotating over ranks and units, used by every rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_hooks import SparsifyState, sparsify_hook
+from ddp_hooks.sparsify.selectors import budget
+from ddp_hooks.sparsify.selectors.shared_topk import leaders
+from ddp_hooks.testing import run_distributed
+from small_mlp import batch, small_mlp
+
+
+def test_the_leader_rotates_with_the_step_and_across_units():
+    assert leaders([0, 1, 2, 3], step=0, world_size=4) == [0, 1, 2, 3]
+    assert leaders([0, 1, 2, 3], step=1, world_size=4) == [1, 2, 3, 0]
+    # over W steps every rank leads every unit once
+    assert sorted(leaders([5], step=s, world_size=3)[0] for s in range(3)) == [0, 1, 2]
+
+
+def test_it_serves_allreduce_only():
+    with pytest.raises(ValueError, match="`aggregation`='allgather' cannot be used with `method`='shared_topk'"):
+        SparsifyState(method="shared_topk", aggregation="allgather")
+
+
+def _leaders_choose(rank, world, scope):
+    model = DDP(small_mlp())
+    state = SparsifyState(method="shared_topk", density=0.1, scope=scope, density_warmup_steps=0)
+    model.register_comm_hook(state, sparsify_hook)
+    params = list(model.module.parameters())
+    reference = small_mlp()
+    out = []
+    for step in range(3):
+        before = {id(p): state.residual_for(p) for p in params}
+        reference.load_state_dict(model.module.state_dict())
+        reference.zero_grad()
+        reference(batch(rank, step)).square().mean().backward()
+        # this rank's compensated gradient p = g + e, per parameter
+        compensated = [r.grad + before[id(p)] for r, p in zip(reference.parameters(), params)]
+        model.zero_grad()
+        model(batch(rank, step)).square().mean().backward()
+        sent = [p.grad != 0 for p in params]
+        if scope == "layer":  # each layer is a unit, keyed by its parameter's key
+            for p, mask, c in zip(params, sent, compensated):
+                leader = (step + state.layouts.key_of(p)) % world
+                k = budget(p.numel(), 0.1)
+                mine = torch.zeros(p.numel(), dtype=torch.bool)
+                mine[torch.topk(c.reshape(-1).abs(), k).indices] = True
+                gathered = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(gathered, mine)
+                assert torch.equal(mask.reshape(-1), gathered[leader]), (step, state.layouts.key_of(p))
+                out.append(leader)
+        else:  # one unit: the whole bucket (one bucket here), led by rank step % world
+            flat_mask = torch.cat([m.reshape(-1) for m in sent])
+            assert int(flat_mask.sum()) <= budget(flat_mask.numel(), 0.1)
+            out.append(step % world)
+    stats = state.stats()
+    dist.barrier()
+    return out, stats["bytes_sent"], stats["elements_sent"]
+
+
+@pytest.mark.parametrize("scope", ["layer", "bucket"])
+def test_every_rank_sends_at_its_leaders_top_k_positions(scope):
+    (leads, sent_bytes, elements), (_, other_bytes, _) = run_distributed(_leaders_choose, 2, scope)
+    if scope == "layer":
+        assert sorted(set(leads)) == [0, 1]  # both ranks lead some layers
+    # the stats count the positions each rank sends to agree, beside its values
+    assert sent_bytes > 4 * elements and other_bytes > 4 * elements
