@@ -180,8 +180,8 @@ def test_selection(benchmark, mb, density, selector):
     """Selection alone over 4 steps, layer scope, from |p|: top-k of every layer, or one rank's share at 4 ranks.
 
     ``shared_topk-per-rank-w4``: at each of 4 steps rank 0 selects the
-    layers it leads (``leaders``), so the rotation is averaged over. The other ranks' part of the exchange (receiving the
-    positions) is a collective, absent here as in every row.
+    layers it leads (``leaders``), so the rotation is averaged over. The
+    positions' broadcasts are collectives, absent here as in every row.
     """
     benchmark.group = _group(mb, density)
     bucket = KernelBucket(mb, density, "topk", "layer", "allgather")

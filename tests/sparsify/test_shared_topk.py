@@ -41,9 +41,9 @@ def _leaders_choose(rank, world, scope):
         model.zero_grad()
         model(batch(rank, step)).square().mean().backward()
         sent = [p.grad != 0 for p in params]
-        if scope == "layer":  # each layer is a unit, keyed by its parameter's key
+        if scope == "layer":  # each layer is a unit, keyed by its parameter's key 
             for p, mask, c in zip(params, sent, compensated):
-                leader = (step + state.layouts.key_of(p)) % world
+                leader = leaders([state.layouts.key_of(p)], step, world)[0]
                 k = budget(p.numel(), 0.1)
                 mine = torch.zeros(p.numel(), dtype=torch.bool)
                 mine[torch.topk(c.reshape(-1).abs(), k).indices] = True
@@ -51,7 +51,7 @@ def _leaders_choose(rank, world, scope):
                 dist.all_gather(gathered, mine)
                 assert torch.equal(mask.reshape(-1), gathered[leader]), (step, state.layouts.key_of(p))
                 out.append(leader)
-        else:  # one unit: the whole bucket (one bucket here), led by rank step % world
+        else:  # one unit: the whole bucket , led by rank step % world
             flat_mask = torch.cat([m.reshape(-1) for m in sent])
             assert int(flat_mask.sum()) <= budget(flat_mask.numel(), 0.1)
             out.append(step % world)

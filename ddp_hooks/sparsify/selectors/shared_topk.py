@@ -10,16 +10,16 @@ values at those positions, and values at shared positions sum by AllReduce.
 
 Per unit ``u`` (a layer, a bucket, or all buckets) and step ``t``:
 
-1. **Leader.** ``leader = (t + key_u) mod W``: it rotates with the step and,
-   in layer scope, across the units of a step, so each rank selects for
-   about ``1 / W`` of the units and the selection work is spread.
+1. **Leader.** ``leader = (t + key_u) mod W`` (:func:`leaders`): it rotates
+   with the step and, in layer scope, across the units of a step, so each
+   rank selects for ``1 / W`` of the units on average over ``W`` steps.
 2. **Select.** The leader takes the top ``k_u`` of ``|p|``, its own
    error-corrected gradient ``p = g + e`` (exact, as :mod:`.topk`).
 3. **Share.** Every rank receives the leaders' positions: one ``broadcast``
-   when a single rank leads every unit of the request (bucket or global
-   scope), else one ``all_gather`` of each rank's led positions (int32 when
-   the vector allows, each row padded to the longest). Positions thus
-   travel once per unit, from its leader, instead of from every rank.
+   from each rank that leads some unit of the request (int32 when the
+   vector allows), of exactly the positions it chose. Positions thus travel
+   once per unit, from its leader, instead of from every rank with its
+   values.
 
 The exchange then sends each rank's ``p`` at those positions and sums them
 by AllReduce; error feedback keeps the rest, as for every selector, so every
@@ -53,7 +53,13 @@ __all__ = ["SharedTopK", "leaders"]
 
 
 def leaders(keys, step: int, world_size: int) -> List[int]:
-    """The leader rank of each unit key at ``step``: ``(step + key) mod world_size``."""
+    """The leader rank of each unit key at ``step``: ``(step + key) mod world_size``.
+
+    A function of the unit's own key, not of the other units of its bucket,
+    so DDP's bucket rebuild (and a resume on its initial buckets) cannot
+    change who leads; over ``W`` consecutive steps every rank leads every
+    unit once, so each rank does ``1 / W`` of top-k's selection on average.
+    """
     return [(step + key) % world_size for key in keys]
 
 
@@ -77,20 +83,15 @@ class SharedTopK(Selector):
         if world == 1:
             return chosen
         index_dtype = torch.int32 if request.magnitude.numel() < 2**31 else torch.int64
-        if len(set(lead)) == 1:  # one leader for the whole request: one broadcast
-            total = sum(ks)
-            positions = chosen.to(index_dtype) if rank == lead[0] else torch.empty(total, dtype=index_dtype,
-                                                                                   device=request.where)
-            dist.broadcast(positions, dist.get_global_rank(request.group, lead[0]), group=request.group)
-            return positions.long()
-        # several leaders: each rank's led positions, padded to the longest, in one all_gather
-        per_rank = [sum(k for k, leader in zip(ks, lead) if leader == r) for r in range(world)]
-        row = torch.zeros(max(per_rank), dtype=index_dtype, device=request.where)
-        row[:chosen.numel()] = chosen
-        rows = [torch.empty_like(row) for _ in range(world)]
-        dist.all_gather(rows, row, group=request.group)
+        # one broadcast per leading rank, of exactly its positions, in rank order on every rank
+        led = {r: sum(k for k, leader in zip(ks, lead) if leader == r) for r in sorted(set(lead))}
+        rows = {}
+        for r, count in led.items():
+            row = chosen.to(index_dtype) if r == rank else torch.empty(count, dtype=index_dtype, device=request.where)
+            dist.broadcast(row, dist.get_global_rank(request.group, r), group=request.group)
+            rows[r] = row
         # back to unit order: unit i's positions are the next ks[i] of its leader's row
-        taken = [0] * world
+        taken = dict.fromkeys(led, 0)
         parts = []
         for k, leader in zip(ks, lead):
             parts.append(rows[leader][taken[leader]:taken[leader] + k])
@@ -98,16 +99,14 @@ class SharedTopK(Selector):
         return torch.cat(parts).long()
 
     def selection_bytes(self, request: SelectionRequest, ks: Tuple[int, ...]) -> int:
-        """This rank's share of the positions collective: what it broadcasts, or its padded row."""
+        """This rank's share of the positions collectives: the positions it broadcasts as a leader."""
         world = request.world_size
         if world == 1:
             return 0
         itemsize = 4 if request.magnitude.numel() < 2**31 else 8
+        rank = dist.get_rank(request.group)
         lead = leaders([u.key for u in request.units], request.step, world)
-        if len(set(lead)) == 1:
-            rank = dist.get_rank(request.group)
-            return sum(ks) * itemsize if rank == lead[0] else 0
-        return max(sum(k for k, leader in zip(ks, lead) if leader == r) for r in range(world)) * itemsize
+        return sum(k for k, leader in zip(ks, lead) if leader == rank) * itemsize
 
     @staticmethod
     def _top_k(request: SelectionRequest, units, ks) -> torch.Tensor:
