@@ -329,7 +329,7 @@ def test_summary_and_report_from_a_results_file(tmp_path, capsys):
     records = [_record("allreduce hook", "allreduce", 3.0), _record("random-block", "sparsify", 2.0, **block),
                _record("top-k", "sparsify", 1.0, **topk), _record("allreduce hook, again", "allreduce", 5.0)]
     summary = bench_cluster.format_summary(records)
-    assert summary.splitlines()[2] == ("| resnet18 | 4 | 100mbit | 4.000 (3.00, 5.00) |  |  |  |  |  | 2.00x |  |  |  "
+    assert summary.splitlines()[2] == ("| resnet18 | 4 | 100mbit | 4.000 (3.00, 5.00) |  |  |  |  |  | 2.00x |  |  |  |  "
                                        "| 4.00x top-k d=0.1 global allgather |")
     path = tmp_path / "r.jsonl"
     run = {"command": "python bench/bench_cluster.py", "wall_s": 12.0, "batch": 4, "image_size": 32, "steps": 3,
