@@ -122,30 +122,32 @@ def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualCha
     where nothing was sent, ``(1 - beta) e + beta r`` where it was (``r``
     the rounding to the wire dtype, else 0).
     """
-    if beta != 1.0:
-        return _fold_filtered(grad, positions, residual, velocity, discard=discard, inv_scale=inv_scale, idle=idle,
-                              beta=beta)
     e = residual.vector
     on_host = discard.device.type == "cpu"  # the verdict is free to read there: branch instead of masking
     if on_host and bool(discard):
         return
     if not on_host:
         fill_if(grad, discard, 0.0, sync_free=True)
-    if inv_scale is None:
-        e.add_(grad)
-    else:
-        e.addcmul_(grad, inv_scale)
-    if residual.decay is not None:
-        if not on_host:
+        if residual.decay is not None:
             fill_if(residual.decay, discard, 0.0, sync_free=True)
-        e.add_(residual.decay)
-    # positions whose states keep their values (a parameter without a gradient; on a device, a discarded step)
+    if inv_scale is not None and beta == 1.0:
+        e.addcmul_(grad, inv_scale)
+    else:
+        e.add_(grad if inv_scale is None else grad * inv_scale, alpha=beta)
+    if residual.decay is not None:
+        e.add_(residual.decay, alpha=beta)
+    # positions whose states keep their values (a parameter without a gradient; on a device, a discarded step);
+    # they had no gradient added (an idle parameter's is 0, a discarded step's was zeroed): e before
     frozen = idle if on_host else (discard if idle is None else idle | discard)
     remainder = residual.rounding
     if remainder is not None and inv_scale is not None:
         remainder = remainder * inv_scale
-    # frozen positions had no gradient added (an idle parameter's is 0, a discarded step's was zeroed): e before
-    if frozen is None:
+    if beta != 1.0:  # (1 - beta) e_before + beta r at the sent positions
+        left = residual.before * (1.0 - beta)
+        if remainder is not None:
+            left.add_(remainder, alpha=beta)
+        e.index_put_((positions,), left if frozen is None else torch.where(frozen, residual.before, left))
+    elif frozen is None:
         if remainder is None:
             if not residual.cancelled:  # (cancelled: e + grad is 0 at `positions` already)
                 zero_at(e, positions)
@@ -161,27 +163,3 @@ def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualCha
             velocity.vector.scatter_(0, positions, sent)
         else:
             velocity.vector.index_put_((positions,), torch.where(frozen, velocity.before, sent))
-
-
-def _fold_filtered(grad, positions, residual, velocity, *, discard, inv_scale, idle, beta: float) -> None:
-    """:func:`fold_step` with the low-pass filter ``beta`` < 1 (kept apart so that ``beta`` = 1 stays bitwise)."""
-    e = residual.vector
-    on_host = discard.device.type == "cpu"
-    if on_host and bool(discard):
-        return
-    if not on_host:
-        fill_if(grad, discard, 0.0, sync_free=True)
-    e.add_(grad if inv_scale is None else grad * inv_scale, alpha=beta)
-    if residual.decay is not None:
-        if not on_host:
-            fill_if(residual.decay, discard, 0.0, sync_free=True)
-        e.add_(residual.decay, alpha=beta)
-    frozen = idle if on_host else (discard if idle is None else idle | discard)
-    # at the sent positions: (1 - beta) e_before + beta r, r the rounding (0 when none); frozen keep e_before
-    left = residual.before * (1.0 - beta)
-    if residual.rounding is not None:
-        left.add_(residual.rounding if inv_scale is None else residual.rounding * inv_scale, alpha=beta)
-    e.index_put_((positions,), left if frozen is None else torch.where(frozen, residual.before, left))
-    if velocity is not None:
-        sent = velocity.sent if inv_scale is None else velocity.sent * inv_scale
-        velocity.vector.index_put_((positions,), sent if frozen is None else torch.where(frozen, velocity.before, sent))
