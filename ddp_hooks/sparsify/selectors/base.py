@@ -128,27 +128,30 @@ class Selector:
 
     def select(self, request: SelectionRequest) -> torch.Tensor:
         """Positions (int64, 1-D): the concatenation over units of each unit's ``budget`` positions."""
+        parts = [self.choose(part, ks) if ks is not None
+                 else torch.cat([torch.arange(u.offset, u.offset + u.numel, device=part.where) for u in part.units])
+                 for part, ks in self._parts(request)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def agreement_bytes(self, request: SelectionRequest) -> int:
+        """The bytes :meth:`select` hands to collectives of the selector's own for ``request`` (the stats count them)."""
+        return sum(self.selection_bytes(part, ks) for part, ks in self._parts(request) if ks is not None)
+
+    def _parts(self, request: SelectionRequest):
+        """The request as :meth:`choose` takes it: ``(request, budgets)`` pairs, units ascending; budgets ``None``
+        for a request whose budgets cover every unit (density 1: everything is sent, in order)."""
         units = request.units
         if not isinstance(units, tuple):
             units = tuple(units)
             request = request._replace(units=units)
         ks = budgets(units, request.density)
-        if all(k == u.numel for u, k in zip(units, ks)):  # density 1: everything, in order
-            device = request.where
-            return torch.cat([torch.arange(u.offset, u.offset + u.numel, device=device) for u in units])
-        if not _ascending(units):
-            return torch.cat([self.select(request._replace(units=(u,))) for u in units])
-        return self.choose(request, ks)
-
-    def agreement_bytes(self, request: SelectionRequest) -> int:
-        """The bytes :meth:`select` hands to collectives of the selector's own for ``request`` (the stats count them)."""
-        units = tuple(request.units)
-        ks = budgets(units, request.density)
         if all(k == u.numel for u, k in zip(units, ks)):
-            return 0
-        if not _ascending(units):
-            return sum(self.agreement_bytes(request._replace(units=(u,))) for u in units)
-        return self.selection_bytes(request._replace(units=units), ks)
+            yield request, None
+        elif not _ascending(units):
+            for u in units:
+                yield from self._parts(request._replace(units=(u,)))
+        else:
+            yield request, ks
 
     def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
         """Positions for units in increasing position order, ``ks`` their budgets (some below their unit)."""
