@@ -76,8 +76,7 @@ class SharedTopK(Selector):
 
     def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
         units, world = request.units, request.world_size
-        rank = dist.get_rank(request.group) if world > 1 else 0
-        lead = leaders([u.key for u in units], request.step, world)
+        rank, lead = _rank_and_leaders(request)
         mine = [i for i, leader in enumerate(lead) if leader == rank]
         chosen = self._top_k(request, [units[i] for i in mine], [ks[i] for i in mine])
         if world == 1:
@@ -104,8 +103,7 @@ class SharedTopK(Selector):
         if world == 1:
             return 0
         itemsize = 4 if request.magnitude.numel() < 2**31 else 8
-        rank = dist.get_rank(request.group)
-        lead = leaders([u.key for u in request.units], request.step, world)
+        rank, lead = _rank_and_leaders(request)
         return sum(k for k, leader in zip(ks, lead) if leader == rank) * itemsize
 
     @staticmethod
@@ -115,3 +113,9 @@ class SharedTopK(Selector):
             return torch.zeros(0, dtype=torch.int64, device=request.where)
         return topk_units(request.magnitude, [u.offset for u in units], [u.numel for u in units], ks,
                           request.scratch_mask)
+
+
+def _rank_and_leaders(request: SelectionRequest) -> Tuple[int, List[int]]:
+    """This rank in the request's group, and the leader of each of its units."""
+    rank = dist.get_rank(request.group) if request.world_size > 1 else 0
+    return rank, leaders([u.key for u in request.units], request.step, request.world_size)
