@@ -67,3 +67,42 @@ def test_every_rank_sends_at_its_leaders_top_k_positions(scope):
         assert sorted(set(leads)) == [0, 1]  # both ranks lead some layers
     # the stats count the positions each rank sends to agree, beside its values
     assert sent_bytes > 4 * elements and other_bytes > 4 * elements
+
+
+def _positions_travel_exactly(rank, world):
+    from ddp_hooks.sparsify.selectors import SelectionRequest, Unit, selector_for
+    # sizes around the int16 code's edge (65,536 entries) and past it (int32), and a tiny unit
+    cases = [(Unit(0, 0, 65536), Unit(1, 65536, 7), Unit(2, 65543, 40000)),
+             (Unit(4, 0, 65537), Unit(5, 65537, 3))]
+    out = []
+    for step in range(2):
+        for units in cases:
+            end = units[-1].offset + units[-1].numel
+            generator = torch.Generator().manual_seed(100 * rank + step)
+            magnitude = torch.rand(end, generator=generator)
+            magnitude[units[0].offset + units[0].numel - 1] = 2.0 + rank  # the last entry of the big unit
+            request = SelectionRequest(units=units, density=0.01, seed=0, step=step, magnitude=magnitude,
+                                       group=dist.group.WORLD, world_size=world)
+            selector = selector_for("shared_topk")
+            chosen = selector.select(request)
+            # what each rank would choose for itself, gathered: unit i's positions must be its leader's
+            own = torch.cat([torch.topk(magnitude[u.offset:u.offset + u.numel], budget(u.numel, 0.01)).indices
+                             .sort().values + u.offset for u in units])
+            everyone = [torch.empty_like(own) for _ in range(world)]
+            dist.all_gather(everyone, own)
+            lead = leaders([u.key for u in units], step, world)
+            start = 0
+            for u, leader in zip(units, lead):
+                k = budget(u.numel, 0.01)
+                assert torch.equal(chosen[start:start + k].sort().values, everyone[leader][start:start + k])
+                start += k
+            out.append(selector.agreement_bytes(request))
+    return out
+
+
+def test_positions_travel_exactly_in_their_smallest_code():
+    counts = run_distributed(_positions_travel_exactly, 3)
+    # each rank counts the positions it broadcasts as a leader. Step 0, first case: rank 0 leads unit 0
+    # (656 positions), rank 1 unit 1 (1), rank 2 unit 2 (400), as int16; second case: rank 1 leads unit 4
+    # (656), rank 2 unit 5 (1), as int32 (65,537 entries do not fit int16)
+    assert [c[:2] for c in counts] == [[656 * 2, 0], [1 * 2, 656 * 4], [400 * 2, 1 * 4]]

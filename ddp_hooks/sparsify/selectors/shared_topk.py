@@ -15,11 +15,14 @@ Per unit ``u`` (a layer, a bucket, or all buckets) and step ``t``:
    rank selects for ``1 / W`` of the units on average over ``W`` steps.
 2. **Select.** The leader takes the top ``k_u`` of ``|p|``, its own
    error-corrected gradient ``p = g + e`` (exact, as :mod:`.topk`).
-3. **Share.** Every rank receives the leaders' positions: one ``broadcast``
-   from each rank that leads some unit of the request (int32 when the
-   vector allows), of exactly the positions it chose. Positions thus travel
-   once per unit, from its leader, instead of from every rank with its
-   values.
+3. **Share.** Every rank receives the leaders' positions: one
+   ``broadcast`` from each rank that leads some unit of the request, of
+   exactly the positions it chose, relative to their unit: int16 when no
+   unit has more than ``2^16`` entries (stored less ``2^15``), else int32.
+   Positions thus travel once per unit, from its leader, instead of from
+   every rank with its values. (One padded ``all_gather`` instead of the
+   broadcasts cost more bytes and time on the simulated cluster: gloo's
+   all_gather carries a larger fixed cost per call than a broadcast.)
 
 The exchange then sends each rank's ``p`` at those positions and sums them
 by AllReduce; error feedback keeps the rest, as for every selector, so every
@@ -81,29 +84,33 @@ class SharedTopK(Selector):
         chosen = self._top_k(request, [units[i] for i in mine], [ks[i] for i in mine])
         if world == 1:
             return chosen
-        index_dtype = torch.int32 if request.magnitude.numel() < 2**31 else torch.int64
-        # one broadcast per leading rank, of exactly its positions, in rank order on every rank
-        led = {r: sum(k for k, leader in zip(ks, lead) if leader == r) for r in sorted(set(lead))}
-        rows = {}
-        for r, count in led.items():
-            row = chosen.to(index_dtype) if r == rank else torch.empty(count, dtype=index_dtype, device=request.where)
-            dist.broadcast(row, dist.get_global_rank(request.group, r), group=request.group)
+        dtype, shift = _position_code(units)
+        rows = {}  # each leading rank's positions, relative to their unit, less the shift
+        for r in sorted(set(lead)):  # one broadcast per leading rank, in rank order on every rank
+            if r == rank:
+                row = (chosen - _unit_starts([units[i] for i in mine], [ks[i] for i in mine], request.where)
+                       - shift).to(dtype)
+            else:
+                row = torch.empty(sum(k for k, leader in zip(ks, lead) if leader == r), dtype=dtype,
+                                  device=request.where)
+            # as bytes: a broadcast only moves them, and gloo refuses int16
+            dist.broadcast(row.view(torch.uint8), dist.get_global_rank(request.group, r), group=request.group)
             rows[r] = row
         # back to unit order: unit i's positions are the next ks[i] of its leader's row
-        taken = dict.fromkeys(led, 0)
+        taken = dict.fromkeys(rows, 0)
         parts = []
         for k, leader in zip(ks, lead):
             parts.append(rows[leader][taken[leader]:taken[leader] + k])
             taken[leader] += k
-        return torch.cat(parts).long()
+        relative = torch.cat(parts).long() + shift
+        return relative + _unit_starts(units, ks, request.where)
 
     def selection_bytes(self, request: SelectionRequest, ks: Tuple[int, ...]) -> int:
         """This rank's share of the positions collectives: the positions it broadcasts as a leader."""
-        world = request.world_size
-        if world == 1:
+        if request.world_size == 1:
             return 0
-        itemsize = 4 if request.magnitude.numel() < 2**31 else 8
         rank, lead = _rank_and_leaders(request)
+        itemsize = torch.empty(0, dtype=_position_code(request.units)[0]).element_size()
         return sum(k for k, leader in zip(ks, lead) if leader == rank) * itemsize
 
     @staticmethod
@@ -113,6 +120,22 @@ class SharedTopK(Selector):
             return torch.zeros(0, dtype=torch.int64, device=request.where)
         return topk_units(request.magnitude, [u.offset for u in units], [u.numel for u in units], ks,
                           request.scratch_mask)
+
+
+def _position_code(units) -> Tuple[torch.dtype, int]:
+    """The dtype of positions relative to their unit, and the shift subtracted to fit it (int16 holds 0..65535)."""
+    largest = max(u.numel for u in units)
+    if largest <= 2**16:
+        return torch.int16, 2**15
+    return (torch.int32 if largest <= 2**31 else torch.int64), 0
+
+
+def _unit_starts(units, ks, device) -> torch.Tensor:
+    """Each position's unit offset, for ``ks[i]`` positions of ``units[i]`` in turn."""
+    if not units:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    offsets = torch.tensor([u.offset for u in units], dtype=torch.int64, device=device)
+    return offsets.repeat_interleave(torch.tensor(ks, dtype=torch.int64, device=device), output_size=sum(ks))
 
 
 def _rank_and_leaders(request: SelectionRequest) -> Tuple[int, List[int]]:
