@@ -20,9 +20,10 @@ Per unit ``u`` (a layer, a bucket, or all buckets) and step ``t``:
    exactly the positions it chose, relative to their unit: int16 when no
    unit has more than ``2^16`` entries (stored less ``2^15``), else int32.
    Positions thus travel once per unit, from its leader, instead of from
-   every rank with its values. (One padded ``all_gather`` instead of the
-   broadcasts cost more bytes and time on the simulated cluster: gloo's
-   all_gather carries a larger fixed cost per call than a broadcast.)
+   every rank with its values. (One padded ``all_gather`` of all the
+   leaders' rows instead sent more bytes on the simulated cluster at about
+   the same step time: gloo's all_gather costs more per call than a
+   broadcast, and the padding travels.)
 
 The exchange then sends each rank's ``p`` at those positions and sums them
 by AllReduce; error feedback keeps the rest, as for every selector, so every
