@@ -1,0 +1,60 @@
+"""Hugging Face Accelerate: :func:`register_comm_hook`, one call after ``prepare``.
+
+Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only its
+own list of PyTorch's hooks, and ``save_state`` saves no hook state. After
+``accelerator.prepare``::
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    register_comm_hook(accelerator, model, SparsifyState(method="random_block", density=0.01), sparsify_hook)
+
+registers the hook on the prepared DDP model and registers every rank's hook
+state for checkpointing (:class:`~.every_rank.EveryRankState`), so that
+``accelerator.save_state(folder)`` saves it and ``accelerator.load_state(folder)``
+gives each rank its own back. Needs ``pip install "ddp-hooks[accelerate]"``.
+
+Example (one process: Accelerate wraps nothing in DDP, so there is nothing to hook)::
+
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from ddp_hooks import SparsifyState, sparsify_hook
+    >>> from ddp_hooks.integrations.accelerate import register_comm_hook
+    >>> accelerator = Accelerator(cpu=True)
+    >>> model = accelerator.prepare(torch.nn.Linear(2, 2))
+    >>> register_comm_hook(accelerator, model, SparsifyState(), sparsify_hook)
+    Traceback (most recent call last):
+    ...
+    ValueError: `model` is a Linear, not the DistributedDataParallel model that accelerator.prepare(...) returns with more than one process (here 1): launch with several processes (accelerate launch --num_processes N, or torchrun)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from accelerate import Accelerator
+from torch.nn.parallel import DistributedDataParallel
+
+from .every_rank import EveryRankState
+
+__all__ = ["register_comm_hook"]
+
+
+def register_comm_hook(accelerator: Accelerator, model: Any, state: Any, hook: Callable) -> EveryRankState:
+    """Register ``hook`` with ``state`` on ``model`` (as ``accelerator.prepare`` returned it) and checkpoint its state.
+
+    Returns the :class:`~.every_rank.EveryRankState` registered with
+    ``accelerator.register_for_checkpointing``. Call it on every process,
+    once, before the first backward pass.
+    """
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if not callable(hook):
+        raise TypeError(f"`hook` must be a comm hook function hook(state, bucket), got {type(hook).__name__}")
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            f"`model` is a {type(model).__name__}, not the DistributedDataParallel model that "
+            f"accelerator.prepare(...) returns with more than one process (here {accelerator.num_processes}): "
+            "launch with several processes (accelerate launch --num_processes N, or torchrun)")
+    every_rank = EveryRankState(state)
+    model.register_comm_hook(state, hook)
+    accelerator.register_for_checkpointing(every_rank)
+    return every_rank

@@ -1,0 +1,81 @@
+"""PyTorch Lightning: :class:`CommHook`, a callback that registers a comm hook and checkpoints every rank's state.
+
+Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA
+devices, and its checkpoints hold no hook state, so a resumed run would
+restart every residual at zero. Add the callback instead::
+
+    trainer = Trainer(strategy="ddp", devices=2,
+                      callbacks=[CommHook(SparsifyState(method="random_block", density=0.01), sparsify_hook)])
+
+It registers the hook on the ``DistributedDataParallel`` model Lightning
+builds, when fitting starts, whatever the device (CPU with gloo, CUDA with
+NCCL), and stores every rank's hook state in Lightning's checkpoints (built
+on every rank, written by rank 0: :class:`~.every_rank.EveryRankState`);
+``trainer.fit(..., ckpt_path=...)`` gives each rank its own back. Needs
+``pip install "ddp-hooks[lightning]"``.
+
+Example (the callback alone; a complete run is in the README)::
+
+    >>> from ddp_hooks import SparsifyState, sparsify_hook
+    >>> from ddp_hooks.integrations.lightning import CommHook
+    >>> callback = CommHook(SparsifyState(method="random_block", density=0.01), sparsify_hook)
+    >>> callback.state_key
+    'CommHook'
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+from lightning.pytorch.callbacks import Callback
+from torch.nn.parallel import DistributedDataParallel
+
+from .every_rank import EveryRankState
+
+__all__ = ["CommHook"]
+
+
+class CommHook(Callback):
+    """Registers ``hook`` with ``state`` on Lightning's DDP model, on every device type; checkpoints every rank's state.
+
+    Args:
+        state: the hook's state (:class:`~ddp_hooks.SparsifyState`, or any
+            with ``state_dict`` / ``load_state_dict``).
+        hook: the comm hook, ``hook(state, bucket) -> Future``
+            (:func:`~ddp_hooks.sparsify_hook`).
+    """
+
+    def __init__(self, state: Any, hook: Callable):
+        if not callable(hook):
+            raise TypeError(f"`hook` must be a comm hook function hook(state, bucket), got {type(hook).__name__}")
+        self.state, self.hook = state, hook
+        self.every_rank = EveryRankState(state)  # checks that the state can be saved
+        self.registered_on = None  # the DDP model the hook is registered on
+
+    @property
+    def state_key(self) -> str:
+        return "CommHook"
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        model = trainer.strategy.model
+        if not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                f"CommHook needs Lightning to train a DistributedDataParallel model (Trainer(strategy='ddp') or "
+                f"DDPStrategy(...)), but trainer.strategy is {type(trainer.strategy).__name__} and its model a "
+                f"{type(model).__name__}: there is no DDP communication to hook")
+        if self.registered_on is model:  # a second fit on the same model: already registered
+            return
+        try:
+            model.register_comm_hook(self.state, self.hook)
+        except RuntimeError as error:
+            raise RuntimeError(f"CommHook could not register its hook: {error}. Pass the hook to CommHook only, "
+                               "not also to DDPStrategy(ddp_comm_hook=...)") from error
+        self.registered_on = model
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every rank's hook state (a collective: Lightning calls it on every rank when it saves)."""
+        return self.every_rank.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """This rank's own hook state, from a checkpoint saved at the same world size."""
+        self.every_rank.load_state_dict(state_dict)
