@@ -78,8 +78,9 @@ def check_process_group(name: str, value) -> None:
 def check_hook_call(hook: str, state, state_type: type, bucket) -> None:
     """A comm hook's arguments: the state it was registered with, and a DDP ``GradBucket``.
 
-    Catches ``register_comm_hook(None, hook)`` and registering a DDP hook with
-    FSDP, whose hooks receive a gradient tensor instead of a bucket.
+    Catches ``register_comm_hook(None, hook)``, registering a DDP hook with
+    FSDP, whose hooks receive a gradient tensor instead of a bucket, and DDP
+    under compiled autograd, which calls hooks with ``(grad, param)``.
     """
     import torch.distributed as dist
 
@@ -87,6 +88,14 @@ def check_hook_call(hook: str, state, state_type: type, bucket) -> None:
         raise TypeError(
             f"{hook} was registered with a state of type {type(state).__name__}; it needs a {state_type.__name__}: "
             f"ddp_model.register_comm_hook({state_type.__name__}(...), {hook})"
+        )
+    if isinstance(bucket, tuple) and len(bucket) == 2:
+        raise TypeError(
+            f"{hook} received (grad, param) instead of a torch.distributed.GradBucket: DistributedDataParallel "
+            "calls comm hooks once per parameter like this under compiled autograd "
+            "(torch._dynamo.config.optimize_ddp = 'python_reducer'), and this hook compresses whole buckets. "
+            "Keep optimize_ddp at its default, or compile the module inside DDP, "
+            "DistributedDataParallel(torch.compile(model)): the hook then runs as in eager mode"
         )
     if not isinstance(bucket, dist.GradBucket):
         raise TypeError(

@@ -8,7 +8,7 @@
   ``load_state`` carry every rank's hook state.
 * :mod:`.transformers`: :func:`~.transformers.register_comm_hook`, one call
   that adds a hook to a Hugging Face ``Trainer`` and to its checkpoints.
-* :mod:`.every_rank`: :class:`~.every_rank.EveryRankState`, what both use: a
+* :mod:`.every_rank`: :class:`~.every_rank.EveryRankState`, what all three use: a
   hook state whose ``state_dict`` holds every rank's, for frameworks that
   write their checkpoint from one process.
 
