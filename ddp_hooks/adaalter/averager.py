@@ -59,10 +59,14 @@ class AdaAlterAverager:
             or equal the schedule's).
         outer (OuterSGD): an outer optimizer for the averaged parameters, or
             ``None`` (plain averaging). :meth:`average_parameters` applies
-            it at each averaging from the second on, from the parameters of
-            the last one (the first only gives it that start: averaged
-            parameters are the same on every rank, whatever came before);
-            ``LocalAdaAlter`` applies it to its own averagings alike.
+            it at each averaging, from the parameters of the last
+            synchronisation: at the first, those at the end of the warm-up
+            (synchronous steps leave every rank the same). With
+            ``warmup_steps=0`` it never sees a shared start before the first
+            averaging, which then only gives the outer optimizer its start
+            (call ``outer.set_anchor(params)`` before training to give it
+            one). ``LocalAdaAlter`` applies it to its own averagings, from
+            the first on.
 
     Two uses:
 
@@ -154,10 +158,13 @@ class AdaAlterAverager:
             self.schedule.check_across_ranks(self.process_group, world, params[0].device)
             self._check_outer_across_ranks(world, params[0].device)
         due = self.schedule.advance()
+        outer = self.outer if self.outer is not None and not self.outer.is_plain_average else None
         if due:
             self.average_(params)
-            if self.outer is not None and not self.outer.is_plain_average:
-                self.outer.apply_(params)
+            if outer is not None:
+                outer.apply_(params)
+        elif outer is not None and not outer.has_anchor and self.schedule.step == self.schedule.warmup_steps:
+            outer.set_anchor(params)  # the warm-up's end: every rank holds the same parameters
         return due
 
     def _check_outer_across_ranks(self, world: int, device) -> None:

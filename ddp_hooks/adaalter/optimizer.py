@@ -23,10 +23,11 @@ Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
    With an outer optimizer (``outer_lr``, ``outer_momentum``; DiLoCo,
    arXiv 2311.08105), ``mean_j x_j`` then goes through
    :class:`~ddp_hooks.adaalter.outer_sgd.OuterSGD` from the parameters of the last
-   averaging; the accumulators are averaged as above. The first averaging
-   only gives the outer optimizer its starting point (parameters that are
-   the same on every rank by construction), so it acts from the second on.
-   It moves every averaged parameter, one without a gradient in the round
+   synchronisation; the accumulators are averaged as above. At the first
+   averaging that is where the local steps began (the end of the synchronous
+   warm-up, or the start with ``warmup_steps=0``: the same on every rank, as
+   DDP broadcasts the parameters and warm-up steps are synchronous), so the
+   outer step acts from the first round on, as in DiLoCo. It moves every averaged parameter, one without a gradient in the round
    too (by its outer momentum), and keeps two more copies of the parameters
    (anchor and velocity, in their dtype).
 
@@ -227,6 +228,9 @@ class LocalAdaAlter(torch.optim.Optimizer):
             return loss  # the schedule does not advance: the step did not happen
         inv_scale = inverse_scale(getattr(self, "grad_scale", None))  # set by GradScaler.step
         local_steps = sched.local_steps_next()
+        outer = self.averager.outer
+        if outer is not None and not outer.has_anchor and not warmup and local_steps == 1:
+            outer.set_anchor(self._params())  # a round begins from parameters every rank shares
         for group in self.param_groups:
             lr, eps2, rule = group["lr"], group["eps"] ** 2, group["lazy_correction"]
             for p in group["params"]:
@@ -258,7 +262,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
         local = [self.state[p]["local_sq"] for p in params]
         self.averager.average_(params + local)
         outer = self.averager.outer
-        if outer is not None:  # (after loading a state without one, the next averaging is its start)
+        if outer is not None:  # (after loading a state without one mid-round, this averaging is its start)
             outer.apply_(params)
         round_steps = self.schedule.period
         for group in self.param_groups:

@@ -52,7 +52,8 @@ def _simulate(world, steps, period, warmup, lazy=True, outer=None):
     """Algorithm 2 of arXiv 1911.09030 for `world` workers in one process; returns each worker's params.
 
     ``lazy``: the correction rule (True/"paper", False/"constant", "rate"); ``outer``: ``(lr, momentum,
-    nesterov)`` of an outer SGD applied to each average (from the second on) from the previous one.
+    nesterov)`` of an outer SGD applied to each average from the last synchronised parameters (at the first:
+    those where the local steps began, the same for every worker).
     """
     rule = {True: "paper", False: "constant"}.get(lazy, lazy)
     models = [_model() for _ in range(world)]
@@ -60,7 +61,7 @@ def _simulate(world, steps, period, warmup, lazy=True, outer=None):
     b2 = [torch.zeros_like(p) for p in xs[0]]
     rate = [torch.zeros_like(p) for p in xs[0]]  # the "rate" rule's r: B2's last growth per step
     acc = [[torch.zeros_like(p) for p in xs[0]] for _ in range(world)]
-    anchor = None  # the outer optimizer's start: the first average
+    anchor = None  # the outer optimizer's start: where the local steps begin
     velocity = [torch.zeros_like(p) for p in xs[0]]
     t0 = 0
     for t in range(1, steps + 1):
@@ -73,6 +74,8 @@ def _simulate(world, steps, period, warmup, lazy=True, outer=None):
             rate = [gk * gk for gk in g]
             t0 = t
         else:
+            if outer is not None and anchor is None:
+                anchor = [x.clone() for x in xs[0]]
             if rule == "rate":
                 denom = [b + EPS ** 2 + (t - t0 - 1) * r for b, r in zip(b2, rate)]
             else:
@@ -82,9 +85,7 @@ def _simulate(world, steps, period, warmup, lazy=True, outer=None):
                 acc[i] = [a + gk * gk for a, gk in zip(acc[i], gs[i])]
             if t - t0 == period:
                 mean_x = [sum(x[k] for x in xs) / world for k in range(len(b2))]
-                if outer is not None and anchor is None:
-                    anchor = [m.clone() for m in mean_x]
-                elif outer is not None:
+                if outer is not None:
                     olr, om, nesterov = outer
                     deltas = [a - m for a, m in zip(anchor, mean_x)]
                     velocity = [om * v + d for v, d in zip(velocity, deltas)]

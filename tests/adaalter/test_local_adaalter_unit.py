@@ -19,7 +19,7 @@ def _one_worker_reference(x0, grads, lr, eps, period, warmup, lazy=True, outer=N
 
     ``lazy``: True/"paper" ``(t - t0) eps^2``, False/"constant" ``eps^2``, "rate" ``eps^2 + (t - t0 - 1) r``
     with ``r`` the last growth of ``b2`` per step; ``outer``: ``(lr, momentum, nesterov)`` applied at each
-    averaging (from the second on) from the parameters of the last one.
+    averaging from the parameters of the last synchronisation (at the first: where the local steps began).
     """
     rule = {True: "paper", False: "constant"}.get(lazy, lazy)
     x, b2, a, t0 = x0.clone(), torch.zeros_like(x0), torch.zeros_like(x0), 0
@@ -30,6 +30,8 @@ def _one_worker_reference(x0, grads, lr, eps, period, warmup, lazy=True, outer=N
             b2, r = b2 + g * g, g * g
             t0 = t
             continue
+        if outer is not None and anchor is None:  # the first local round starts here
+            anchor = x.clone()
         if rule == "rate":
             denom = b2 + eps ** 2 + (t - t0 - 1) * r
         else:
@@ -37,9 +39,7 @@ def _one_worker_reference(x0, grads, lr, eps, period, warmup, lazy=True, outer=N
         x = x - lr * g / torch.sqrt(denom)
         a = a + g * g
         if t - t0 == period:
-            if outer is not None and anchor is None:  # the first averaging only sets the start
-                anchor = x.clone()
-            elif outer is not None:
+            if outer is not None:
                 olr, m, nesterov = outer
                 d = anchor - x
                 v = m * v + d

@@ -65,13 +65,13 @@ def _steps(averager, w, n):
     return out
 
 
-def test_average_parameters_takes_the_outer_step_from_the_second_averaging_on():
-    for warmup, calendar, want in ((1, [False, False, True, False, True], -24.0),
+def test_average_parameters_takes_the_outer_step_from_the_warmups_end_or_from_the_first_averaging():
+    for warmup, calendar, want in ((1, [False, False, True, False, True], -29.0),
                                    (0, [False, True, False, True, False], -22.0)):
         w = torch.zeros(1)
         averager = AdaAlterAverager(period=2, warmup_steps=warmup, outer=OuterSGD(lr=2.0, momentum=0.0))
         assert _steps(averager, w, 5) == calendar
-        # warm-up 1: -1 | -3 -6, the first averaging keeps -6 | -10 -15, doubled from -6: -6 - 2 * 9 = -24
+        # warm-up 1: -1, the start | -3 -6, doubled from -1: -1 - 2 * 5 = -11 | -15 -20, doubled: -11 - 2 * 9 = -29
         # warm-up 0: -1 -3, kept | -6 -10, doubled from -3: -3 - 2 * 7 = -17 | step 5: -17 - 5 = -22
         assert w.item() == want, (warmup, w.item())
 
