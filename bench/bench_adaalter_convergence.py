@@ -64,6 +64,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
+from adaalter_tables import report, table  # noqa: E402
 from bench_fashion_mnist import cnn, evaluate  # noqa: E402
 from ddp_hooks import build_local_adaalter, build_local_sgd, build_sync_adagrad  # noqa: E402
 from ddp_hooks.testing import run_distributed  # noqa: E402
@@ -74,6 +75,7 @@ STEPS_TOTAL = 384  # per epoch, summed over ranks: 12,288 examples of 32
 WARMUP = 32
 SEQ, CHARS_TRAIN, CHARS_VALID = 64, 786_432, 65_536
 #: per task: AdaGrad's and Local AdaAlter's lr and eps, local SGD's lr (chosen by the sweep in the README)
+RULES = ("paper", "constant", "rate")
 TASKS = {"fashion-mnist": {"lr": 0.1, "eps": 1.0, "sgd_lr": 0.05},
          "fortunes": {"lr": 0.3, "eps": 0.1, "sgd_lr": 0.5}}
 
@@ -94,12 +96,30 @@ def run_config(name, kind, period=None, rule=None, outer=False):
     return {"name": name, "kind": kind, "period": period, "rule": rule, "outer": outer}
 
 
-def default_runs(periods=(4, 8, 16), rules=("paper", "constant", "rate"), outer_rule="rate",
-                 outer_periods=(8, 16, 32, 64, 128)):
+def run_named(name):
+    """The run a table row's name stands for: ``sync AdaGrad``, ``LAA H=<h> <rule>[ outer]`` or ``local SGD
+    H=<h>``, so that ``--only`` can ask for any period, not only the defaults'."""
+    words = name.split()
+    periods = [w[2:] for w in words if w.startswith("H=")]
+    if name == "sync AdaGrad":
+        return run_config(name, "sync")
+    if periods and periods[0].isdigit() and int(periods[0]) > 0:
+        h = int(periods[0])
+        if words[:2] == ["local", "SGD"] and len(words) == 3:
+            return run_config(name, "local_sgd", h)
+        if words[0] == "LAA" and len(words) in (3, 4) and words[2] in RULES and words[3:] in ([], ["outer"]):
+            return run_config(name, "laa", h, words[2], len(words) == 4)
+    raise ValueError(f"--only: {name!r} names no run; the forms are 'sync AdaGrad', 'LAA H=<h> <rule>' and "
+                     f"'LAA H=<h> <rule> outer' (rule one of {', '.join(RULES)}), 'local SGD H=<h>', h a "
+                     f"positive integer")
+
+
+def default_runs(periods=(4, 8, 16), rules=RULES, outer_rule="rate",
+                 outer_periods=(8, 16, 32, 64, 128, 256)):
     runs = [run_config("sync AdaGrad", "sync")]
     for rule in rules:
         runs += [run_config(f"LAA H={h} {rule}", "laa", h, rule)
-                 for h in periods + ((32, 64) if rule == "rate" else ())]
+                 for h in periods + ((32, 64, 128, 256) if rule == "rate" else ())]
     runs += [run_config(f"LAA H={h} {outer_rule} outer", "laa", h, outer_rule, True) for h in outer_periods]
     runs += [run_config(f"local SGD H={h}", "local_sgd", h) for h in periods]
     return runs
@@ -223,95 +243,11 @@ def body(rank, world, task, runs, args, seeds):
     return results
 
 
-def cell(results, digits):
-    values = [r["metric"] for r in results]
-    text = f"{sum(values) / len(values):.{digits}f}"
-    if len(values) > 1:
-        text += f" ±{(max(values) - min(values)) / 2:.{digits}f}"
-    diverged = sum(not math.isfinite(r["last_epoch_loss"]) for r in results)
-    return text + (f" !{diverged}" if diverged else "")
-
-
-def table(results, task):
-    """Markdown: one row per method, its metric, the gap to sync AdaGrad and the syncs per epoch."""
-    by_name = {}
-    for r in results:
-        by_name.setdefault(r["name"], []).append(r)
-    base = by_name.get("sync AdaGrad")
-    base_mean = None if not base else sum(r["metric"] for r in base) / len(base)
-    perplexity = task == "fortunes"
-    metric = "val. perplexity" if perplexity else "test accuracy %"
-    gap = "vs sync (%)" if perplexity else "vs sync (points)"
-    lines = [f"| method | {metric} | {gap} | syncs/epoch |", "|---|---|---|---|"]
-    for name, runs in by_name.items():
-        mean = sum(r["metric"] for r in runs) / len(runs)
-        if base_mean is None or name == "sync AdaGrad":
-            vs = ""
-        elif perplexity:
-            vs = f"{100.0 * (mean / base_mean - 1.0):+.2f}"
-        else:
-            vs = f"{mean - base_mean:+.2f}"
-        syncs = sum(r["syncs_per_epoch"] for r in runs) / len(runs)
-        lines.append(f"| {name} | {cell(runs, 3 if perplexity else 2)} | {vs} | {syncs:.1f} |")
-    return "\n".join(lines)
-
-
-def largest_periods(results, task):
-    """Per family of runs (rule, with or without the outer optimizer): the largest H whose mean is within the
-    issue's bound of sync AdaGrad's (1 point of accuracy; 2 % of perplexity), or None."""
-    means = {}
-    for r in results:
-        means.setdefault(r["name"], []).append(r["metric"])
-    means = {name: sum(v) / len(v) for name, v in means.items()}
-    base = means.get("sync AdaGrad")
-    if base is None:
-        return {}
-    within = (lambda m: m <= 1.02 * base) if task == "fortunes" else (lambda m: m >= base - 1.0)
-    best, tried = {}, {}
-    for name, mean in means.items():
-        if not name.startswith(("LAA H=", "local SGD H=")):
-            continue
-        head, _, tail = name.partition("H=")
-        period, _, family = tail.partition(" ")
-        family = (head + family).strip()
-        best.setdefault(family, None)
-        tried[family] = max(tried.get(family, 0), int(period))
-        if within(mean) and (best[family] is None or int(period) > best[family]):
-            best[family] = int(period)
-    return {family: (h, h == tried[family]) for family, h in best.items()}
-
-
-def report(paths, merge=False):
-    """Print each results file's command, header and table; with ``merge``, one table of all files, a
-    later file's run replacing an earlier one of the same name and seed (a rerun of some rows)."""
-    merged, task = {}, None
-    for path in paths:
-        with open(path) as f:
-            first, *rest = [json.loads(line) for line in f if line.strip()]
-        print(f"$ {first['command']}\n{first['header']}")
-        task = first["task"]
-        if merge:
-            merged.update({(r["name"], r["seed"]): r for r in rest})
-        else:
-            print(_summary(rest, task))
-    if merge:
-        print(_summary(list(merged.values()), task))
-
-
-def _summary(results, task):
-    bound = "2 % of perplexity" if task == "fortunes" else "1 point"
-    largest = ", ".join(f"{family}: {'none' if h is None else f'H={h}'}{' (the largest tried)' if top else ''}"
-                        for family, (h, top) in largest_periods(results, task).items())
-    return f"\n{table(results, task)}\n\nLargest H within {bound} of sync AdaGrad: {largest}\n"
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.report:
         return report(args.report, args.merge)
-    runs = default_runs(outer_rule=args.outer_rule)
-    if args.only:
-        runs = [r for r in runs if r["name"] in args.only]
+    runs = [run_named(name) for name in args.only] if args.only else default_runs(outer_rule=args.outer_rule)
     seeds = list(range(args.seed_start, args.seed_start + args.seeds))
     command = shlex.join(["python", "bench/bench_adaalter_convergence.py",
                           *(argv if argv is not None else sys.argv[1:])])
@@ -334,7 +270,7 @@ def parse_args(argv=None):
     p.add_argument("--task", choices=sorted(TASKS), default="fashion-mnist", help="data and model")
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--quick", action="store_true", help="1 seed, 1 epoch, a smaller test set: a smoke run")
-    p.add_argument("--only", nargs="+", default=None, help="keep only the runs of these names")
+    p.add_argument("--only", nargs="+", default=None, help="only these runs, by their rows' names (any period H)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, quick 1)")
     p.add_argument("--seed-start", type=int, default=0, help="first seed (default 0)")
     p.add_argument("--epochs", type=int, default=None, help="epochs (default 4, quick 1)")

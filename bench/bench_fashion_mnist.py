@@ -165,11 +165,12 @@ def body(rank, world, runs, args, seeds):
     return results
 
 
-def cell(results):
-    accs = [r["accuracy"] for r in results]
-    text = f"{sum(accs) / len(accs):.2f}"
-    if len(accs) > 1:
-        text += f" ±{(max(accs) - min(accs)) / 2:.2f}"
+def cell(results, key="accuracy", digits=2):
+    """A table cell: the mean of ``key`` over the runs (seeds), ± half their range, ``!n`` if n diverged."""
+    values = [r[key] for r in results]
+    text = f"{sum(values) / len(values):.{digits}f}"
+    if len(values) > 1:
+        text += f" ±{(max(values) - min(values)) / 2:.{digits}f}"
     diverged = sum(not math.isfinite(r["last_epoch_loss"]) for r in results)
     return text + (f" !{diverged}" if diverged else "")
 
