@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .._internal.collectives import world_size_and_rank
 
-__all__ = ["EveryRankState"]
+__all__ = ["EveryRankState", "gather_every_rank", "own_entry"]
 
 
 class EveryRankState:
@@ -56,25 +56,35 @@ class EveryRankState:
 
     def state_dict(self) -> Dict[str, Any]:
         """Every rank's ``hook_state.state_dict()``, tensors on the CPU; a collective: call it on every rank."""
-        world_size, _ = world_size_and_rank(self.group)
-        mine = _to_cpu(self.hook_state.state_dict())
-        if world_size == 1:
-            return {"world_size": 1, "ranks": [mine]}
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        return {"world_size": world_size, "ranks": everyone}
+        return gather_every_rank(self.hook_state.state_dict(), self.group)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load this rank's own entry of a :meth:`state_dict` saved at the same world size."""
-        if not isinstance(state_dict, dict) or set(state_dict) != {"world_size", "ranks"}:
-            raise ValueError("`state_dict` must come from EveryRankState.state_dict(): a dict of 'world_size' and "
-                             f"'ranks', got {type(state_dict).__name__}"
-                             + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else ""))
-        world_size, rank = world_size_and_rank(self.group)
-        if state_dict["world_size"] != world_size:
-            raise ValueError(f"the hook states were saved by {state_dict['world_size']} ranks but {world_size} load "
-                             "them: each rank resumes its own state, so resume at the world size that saved them")
-        self.hook_state.load_state_dict(state_dict["ranks"][rank])
+        self.hook_state.load_state_dict(own_entry(state_dict, self.group))
+
+
+def gather_every_rank(mine: Any, group=None) -> Dict[str, Any]:
+    """``{"world_size": W, "ranks": [rank 0's mine, ..., rank W-1's]}``, tensors on the CPU; a collective."""
+    world_size, _ = world_size_and_rank(group)
+    mine = _to_cpu(mine)
+    if world_size == 1:
+        return {"world_size": 1, "ranks": [mine]}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    return {"world_size": world_size, "ranks": everyone}
+
+
+def own_entry(saved: Dict[str, Any], group=None) -> Any:
+    """This rank's entry of what :func:`gather_every_rank` returned, refusing another world size."""
+    if not isinstance(saved, dict) or set(saved) != {"world_size", "ranks"}:
+        raise ValueError("the state must come from EveryRankState.state_dict(): a dict of 'world_size' and "
+                         f"'ranks', got {type(saved).__name__}"
+                         + (f" with keys {sorted(saved)}" if isinstance(saved, dict) else ""))
+    world_size, rank = world_size_and_rank(group)
+    if saved["world_size"] != world_size:
+        raise ValueError(f"the states were saved by {saved['world_size']} ranks but {world_size} load them: "
+                         "each rank resumes its own state, so resume at the world size that saved them")
+    return saved["ranks"][rank]
 
 
 def _to_cpu(value):

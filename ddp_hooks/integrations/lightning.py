@@ -14,6 +14,18 @@ on every rank, written by rank 0: :class:`~.every_rank.EveryRankState`);
 ``trainer.fit(..., ckpt_path=...)`` gives each rank its own back. Needs
 ``pip install "ddp-hooks[lightning]"``.
 
+Local AdaAlter (and any local SGD) leaves the ranks' weights and optimizer
+states different between averagings, and Lightning checkpoints rank 0's.
+Build it in ``configure_optimizers`` on the DDP model Lightning made (it
+registers its own hook), and add :class:`EveryRankCheckpoint`::
+
+    def configure_optimizers(self):
+        hook_state, optimizer = build_local_adaalter(self.trainer.strategy.model, lr=0.1, period=8,
+                                                     warmup_steps=100)
+        return optimizer
+
+    trainer = Trainer(strategy="ddp", devices=2, callbacks=[EveryRankCheckpoint()])
+
 Example (the callback alone; a complete run is in the README)::
 
     >>> from ddp_hooks import SparsifyState, sparsify_hook
@@ -30,9 +42,9 @@ from typing import Any, Callable, Dict
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
-from .every_rank import EveryRankState
+from .every_rank import EveryRankState, gather_every_rank, own_entry
 
-__all__ = ["CommHook"]
+__all__ = ["CommHook", "EveryRankCheckpoint"]
 
 
 class CommHook(Callback):
@@ -79,3 +91,45 @@ class CommHook(Callback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """This rank's own hook state, from a checkpoint saved at the same world size."""
         self.every_rank.load_state_dict(state_dict)
+
+
+class EveryRankCheckpoint(Callback):
+    """Keeps every rank's weights and optimizer states in Lightning's checkpoints; restores each rank's own.
+
+    For training whose ranks differ between synchronisations (Local
+    AdaAlter, local SGD): Lightning builds its checkpoint on every rank but
+    writes rank 0's, so a resume would give every rank rank 0's weights and
+    local accumulators (``LocalAdaAlter`` refuses to load another rank's
+    state mid-round). Saving gathers every rank's ``state_dict`` and
+    ``optimizer_states`` into the checkpoint (a collective; each rank holds
+    all of them on the CPU meanwhile); loading puts this rank's own in place
+    of rank 0's, so that the resume is bitwise the uninterrupted run. The
+    checkpoint loads at the world size that saved it.
+    """
+
+    def __init__(self):
+        self.pending_weights = None  # this rank's weights, between loading a checkpoint and the DDP model's setup
+
+    @property
+    def state_key(self) -> str:
+        return "EveryRankCheckpoint"
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        mine = {"state_dict": checkpoint["state_dict"], "optimizer_states": checkpoint.get("optimizer_states", [])}
+        checkpoint[self.state_key] = gather_every_rank(mine)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        if self.state_key not in checkpoint:
+            raise ValueError(f"the checkpoint holds no {self.state_key} entry: it was saved without this callback, "
+                             "with rank 0's weights and optimizer states only")
+        own = own_entry(checkpoint[self.state_key])
+        checkpoint["optimizer_states"] = own["optimizer_states"]  # Lightning restores the optimizers after this
+        if trainer.strategy.restore_checkpoint_after_setup:
+            pl_module.load_state_dict(own["state_dict"])
+        else:  # the DDP model is not built yet, and building it broadcasts rank 0's weights: load them after
+            self.pending_weights = own["state_dict"]
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.pending_weights is not None:
+            pl_module.load_state_dict(self.pending_weights)
+            self.pending_weights = None

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_hooks import SparsifyState, sparsify_hook
+from ddp_hooks import SparsifyState, build_local_adaalter, sparsify_hook
 from small_mlp import batch, flat, small_mlp
 
 STEPS_PER_EPOCH = 4
@@ -39,6 +39,23 @@ def plain_ddp(rank, world, steps):
         loss_at(model, rank, step).backward()
         optimizer.step()
     return flat(model.module.parameters()), state.stats()
+
+
+def local_adaalter(ddp_model):
+    """Local AdaAlter averaging every 2 steps after 1 synchronous step: rounds end at steps 3, 5, 7, so a
+    checkpoint after step 4 falls mid-round, where the ranks' weights and accumulators differ."""
+    return build_local_adaalter(ddp_model, lr=0.1, eps=1.0, period=2, warmup_steps=1)
+
+
+def plain_ddp_local_adaalter(rank, world, steps):
+    """The reference: the user's own DDP loop with Local AdaAlter; each rank's weights (they differ)."""
+    model = DDP(small_mlp())
+    _, optimizer = local_adaalter(model)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss_at(model, rank, step).backward()
+        optimizer.step()
+    return flat(model.module.parameters())
 
 
 def as_launched_process(rank, world):

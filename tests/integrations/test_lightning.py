@@ -1,4 +1,5 @@
-"""The Lightning callback: the hook runs on CPU, trains as plain DDP does, and a checkpoint resumes bit for bit."""
+"""The Lightning callbacks: a hook runs on CPU and trains as plain DDP does, Local AdaAlter too, and a
+checkpoint resumes bit for bit (mid-round for Local AdaAlter, where the ranks differ)."""
 
 import os
 
@@ -13,13 +14,13 @@ from framework_jobs import STEPS_PER_EPOCH, as_launched_process, check_against_p
 EPOCHS = 2
 
 
-def _fit(rank, world, epochs, save_to=None, resume_from=None):
+def _fit(rank, world, epochs, callback, make_optimizer, save_to=None, resume_from=None):
+    """Lightning's own loop over ``epochs`` of ``STEPS_PER_EPOCH`` steps; the loss at each step is plain DDP's;
+    ``make_optimizer(module)`` is what ``configure_optimizers`` returns. Returns the final weights, flat."""
     import lightning.pytorch as L
     from lightning.pytorch.strategies import DDPStrategy
 
-    from ddp_hooks import sparsify_hook
-    from ddp_hooks.integrations.lightning import CommHook
-    from framework_jobs import LR, loss_at, new_state
+    from framework_jobs import loss_at
     from small_mlp import flat, small_mlp
 
     class Module(L.LightningModule):
@@ -34,32 +35,77 @@ def _fit(rank, world, epochs, save_to=None, resume_from=None):
             return loss_at(self, self.trainer.global_rank, int(self.global_step))
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=LR)
+            return make_optimizer(self)
 
         def train_dataloader(self):  # one dummy item per step; the batch comes from (rank, step)
             return torch.utils.data.DataLoader(torch.arange(STEPS_PER_EPOCH * world), batch_size=1)
 
     as_launched_process(rank, world)
-    state = new_state()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=DDPStrategy(process_group_backend="gloo"),
-                        max_epochs=epochs, callbacks=[CommHook(state, sparsify_hook)], logger=False,
+                        max_epochs=epochs, callbacks=[callback], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = Module()
     trainer.fit(module, ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    return flat(module.net.parameters()), state.stats()
+    return flat(module.net.parameters())
+
+
+def _sgd(module):
+    from framework_jobs import LR
+
+    return torch.optim.SGD(module.parameters(), lr=LR)
+
+
+def _fit_with_hook(rank, world, epochs, **checkpointing):
+    from ddp_hooks import sparsify_hook
+    from ddp_hooks.integrations.lightning import CommHook
+    from framework_jobs import new_state
+
+    state = new_state()
+    return _fit(rank, world, epochs, CommHook(state, sparsify_hook), _sgd, **checkpointing), state.stats()
 
 
 def _lightning_against_plain(rank, world, folder):
     plain = plain_ddp(rank, world, EPOCHS * STEPS_PER_EPOCH)
-    whole = _fit(rank, world, EPOCHS)
+    whole = _fit_with_hook(rank, world, EPOCHS)
     path = os.path.join(folder, "half.ckpt")
-    _fit(rank, world, 1, save_to=path)
-    resumed = _fit(rank, world, EPOCHS, resume_from=path)
+    _fit_with_hook(rank, world, 1, save_to=path)
+    resumed = _fit_with_hook(rank, world, EPOCHS, resume_from=path)
     return plain, whole, resumed
 
 
 def test_the_hook_runs_trains_as_plain_ddp_and_resumes_bitwise(tmp_path):
     results = run_distributed(_lightning_against_plain, 2, str(tmp_path), timeout=300)
     check_against_plain(results, EPOCHS * STEPS_PER_EPOCH)
+
+
+def _local_adaalter_on_lightnings_ddp(module):
+    from framework_jobs import local_adaalter
+
+    return local_adaalter(module.trainer.strategy.model)[1]  # registers its own hook
+
+
+def _fit_local_adaalter(rank, world, epochs, **checkpointing):
+    from ddp_hooks.integrations.lightning import EveryRankCheckpoint
+
+    return _fit(rank, world, epochs, EveryRankCheckpoint(), _local_adaalter_on_lightnings_ddp, **checkpointing)
+
+
+def _local_adaalter_against_plain(rank, world, folder):
+    from framework_jobs import plain_ddp_local_adaalter
+
+    plain = plain_ddp_local_adaalter(rank, world, EPOCHS * STEPS_PER_EPOCH)
+    whole = _fit_local_adaalter(rank, world, EPOCHS)
+    path = os.path.join(folder, "half.ckpt")
+    _fit_local_adaalter(rank, world, 1, save_to=path)  # after step 4: mid-round, the ranks differ
+    resumed = _fit_local_adaalter(rank, world, EPOCHS, resume_from=path)
+    return plain, whole, resumed
+
+
+def test_local_adaalter_trains_as_plain_ddp_and_each_rank_resumes_its_own_state(tmp_path):
+    (plain0, whole0, resumed0), (plain1, whole1, resumed1) = run_distributed(
+        _local_adaalter_against_plain, 2, str(tmp_path), timeout=300)
+    assert not torch.equal(whole0, whole1)  # the run ends mid-round (step 8): the ranks differ
+    assert torch.equal(whole0, plain0) and torch.equal(whole1, plain1)
+    assert torch.equal(resumed0, whole0) and torch.equal(resumed1, whole1)
