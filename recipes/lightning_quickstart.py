@@ -30,6 +30,6 @@ trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_ep
                             enable_checkpointing=False, enable_progress_bar=False,
                             callbacks=[CommHook(state, sparsify_hook)])  # added: the callback
 trainer.fit(Classifier(), loader)
-trainer.save_checkpoint("lightning-quickstart.ckpt")  # every rank's hook state is in it
+trainer.save_checkpoint("lightning-quickstart.ckpt", weights_only=False)  # with every rank's hook state
 if trainer.global_rank == 0:
     print(f"loss {trainer.callback_metrics['train_loss']:.3f}; hook: {state.stats()}")
