@@ -11,6 +11,22 @@ import json
 from bench_fashion_mnist import cell
 
 
+def family_and_period(name):
+    """``("LAA rate outer", 16)`` for ``"LAA H=16 rate outer"``; ``(name, 0)`` for a row without a period."""
+    head, _, tail = name.partition("H=")
+    if not tail:
+        return name, 0
+    period, _, family = tail.partition(" ")
+    return (head + family).strip(), int(period)
+
+
+def row_order(name):
+    """Sync AdaGrad first, then each family (in the benchmark's order) by growing H."""
+    family, period = family_and_period(name)
+    families = ["sync AdaGrad", "LAA paper", "LAA constant", "LAA rate", "LAA rate outer", "local SGD"]
+    return (families.index(family) if family in families else len(families), family, period)
+
+
 def table(results, task):
     """Markdown: one row per method, its metric, the gap to sync AdaGrad and the syncs per epoch."""
     by_name = {}
@@ -22,7 +38,7 @@ def table(results, task):
     metric = "val. perplexity" if perplexity else "test accuracy %"
     gap = "vs sync (%)" if perplexity else "vs sync (points)"
     lines = [f"| method | {metric} | {gap} | syncs/epoch |", "|---|---|---|---|"]
-    for name, runs in by_name.items():
+    for name, runs in sorted(by_name.items(), key=lambda item: row_order(item[0])):
         mean = sum(r["metric"] for r in runs) / len(runs)
         if base_mean is None or name == "sync AdaGrad":
             vs = ""
@@ -50,13 +66,11 @@ def largest_periods(results, task):
     for name, mean in means.items():
         if not name.startswith(("LAA H=", "local SGD H=")):
             continue
-        head, _, tail = name.partition("H=")
-        period, _, family = tail.partition(" ")
-        family = (head + family).strip()
+        family, period = family_and_period(name)
         best.setdefault(family, None)
-        tried[family] = max(tried.get(family, 0), int(period))
-        if within(mean) and (best[family] is None or int(period) > best[family]):
-            best[family] = int(period)
+        tried[family] = max(tried.get(family, 0), period)
+        if within(mean) and (best[family] is None or period > best[family]):
+            best[family] = period
     return {family: (h, h == tried[family]) for family, h in best.items()}
 
 
@@ -80,5 +94,6 @@ def report(paths, merge=False):
 def summary(results, task):
     bound = "2 % of perplexity" if task == "fortunes" else "1 point"
     largest = ", ".join(f"{family}: {'none' if h is None else f'H={h}'}{' (the largest tried)' if top else ''}"
-                        for family, (h, top) in largest_periods(results, task).items())
+                        for family, (h, top) in sorted(largest_periods(results, task).items(),
+                                                       key=lambda item: row_order(item[0])))
     return f"\n{table(results, task)}\n\nLargest H within {bound} of sync AdaGrad: {largest}\n"
