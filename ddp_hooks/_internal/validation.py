@@ -80,7 +80,7 @@ def check_hook_call(hook: str, state, state_type: type, bucket) -> None:
 
     Catches ``register_comm_hook(None, hook)``, registering a DDP hook with
     FSDP, whose hooks receive a gradient tensor instead of a bucket, and DDP
-    under compiled autograd, which calls hooks with ``(grad, param)``.
+    built in the ``python_reducer`` mode, which calls hooks with ``(grad, param)``.
     """
     import torch.distributed as dist
 
@@ -92,10 +92,10 @@ def check_hook_call(hook: str, state, state_type: type, bucket) -> None:
     if isinstance(bucket, tuple) and len(bucket) == 2:
         raise TypeError(
             f"{hook} received (grad, param) instead of a torch.distributed.GradBucket: DistributedDataParallel "
-            "calls comm hooks once per parameter like this under compiled autograd "
-            "(torch._dynamo.config.optimize_ddp = 'python_reducer'), and this hook compresses whole buckets. "
-            "Keep optimize_ddp at its default, or compile the module inside DDP, "
-            "DistributedDataParallel(torch.compile(model)): the hook then runs as in eager mode"
+            "was built while torch._dynamo.config.optimize_ddp was 'python_reducer' (the mode for compiled "
+            "autograd), in which it calls comm hooks once per parameter, and this hook compresses whole buckets. "
+            "Build DDP with optimize_ddp at its default (True); DistributedDataParallel(torch.compile(model)) "
+            "then compiles the model and keeps the hook"
         )
     if not isinstance(bucket, dist.GradBucket):
         raise TypeError(

@@ -17,7 +17,7 @@ and what to do, so that a refused state leaves the optimizer as it was:
 * the schedule's warm-up and period are this optimizer's;
 * outer optimizer: present in both or in neither, with the same options and
   shapes (a state saved without one loads into an optimizer with one, which
-  then starts at the next averaging).
+  then starts from where the next round begins).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def load_checked(opt: torch.optim.Optimizer, state_dict: Dict[str, Any],
     outer_state = state_dict.pop("outer", None)
     if outer is not None and outer_state is None:
         logger.warning("LocalAdaAlter: the state holds no outer optimizer (saved without one); the outer "
-                       "optimizer starts at the next averaging")
+                       "optimizer starts from where the next round begins")
     amp_agreements = int(state_dict.pop("amp_agreements", 0))
     averagings = int(state_dict.pop("averagings", 0))
     load_base(state_dict)

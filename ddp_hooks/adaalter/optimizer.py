@@ -190,7 +190,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
             outer = self.averager.outer
             if outer is not None and outer.has_anchor:  # the anchors no longer cover every parameter
                 logger.warning("LocalAdaAlter: a parameter group was added; the outer optimizer restarts (velocity "
-                               "0) from the next averaging")
+                               "0) from where the next round begins")
                 outer.anchors = outer.velocities = None
 
     def _params(self):

@@ -23,7 +23,7 @@ Example (one process: Accelerate wraps nothing in DDP, so there is nothing to ho
     >>> register_comm_hook(accelerator, model, SparsifyState(), sparsify_hook)
     Traceback (most recent call last):
     ...
-    ValueError: `model` is a Linear, not the DistributedDataParallel model that accelerator.prepare(...) returns with more than one process (here 1): launch with several processes (accelerate launch --num_processes N, or torchrun)
+    ValueError: `model`: the model is a Linear, not a DistributedDataParallel model: with one process (1) nothing is wrapped in DDP and there is no communication to hook; launch with several processes (accelerate launch --num_processes N, or torchrun)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Callable
 from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
-from .every_rank import EveryRankState
+from .every_rank import EveryRankState, ddp_inside, not_ddp_message
 
 __all__ = ["register_comm_hook"]
 
@@ -43,18 +43,21 @@ def register_comm_hook(accelerator: Accelerator, model: Any, state: Any, hook: C
 
     Returns the :class:`~.every_rank.EveryRankState` registered with
     ``accelerator.register_for_checkpointing``. Call it on every process,
-    once, before the first backward pass.
+    once, before the first backward pass and before ``load_state``. A model
+    compiled by Accelerate (``dynamo_backend``) is hooked through its DDP
+    model. ``save_state`` then gathers every rank's hook state, a
+    collective: call it on every process (as Accelerate's own docs say),
+    never under ``if accelerator.is_main_process``, or it waits forever.
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}")
     if not callable(hook):
         raise TypeError(f"`hook` must be a comm hook function hook(state, bucket), got {type(hook).__name__}")
-    if not isinstance(model, DistributedDataParallel):
-        raise ValueError(
-            f"`model` is a {type(model).__name__}, not the DistributedDataParallel model that "
-            f"accelerator.prepare(...) returns with more than one process (here {accelerator.num_processes}): "
-            "launch with several processes (accelerate launch --num_processes N, or torchrun)")
+    ddp_model = ddp_inside(model)
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise ValueError("`model`: " + not_ddp_message(ddp_model, accelerator.num_processes,
+                                                       "accelerate launch --num_processes N, or torchrun"))
     every_rank = EveryRankState(state)
-    model.register_comm_hook(state, hook)
+    ddp_model.register_comm_hook(state, hook)
     accelerator.register_for_checkpointing(every_rank)
     return every_rank

@@ -3,7 +3,7 @@
 A sparsifying hook's residuals differ per rank (each holds what its own
 gradients have not sent yet), and so do Local AdaAlter's between
 averagings. Lightning and Accelerate build a checkpoint on every rank but
-write it from rank 0 only, so a hook state saved as ``state.state_dict()``
+write it from rank 0 only (so does the Hugging Face Trainer's helper here), so a hook state saved as ``state.state_dict()``
 would keep rank 0's residuals and drop the others'. :class:`EveryRankState`
 wraps the hook state: its :meth:`~EveryRankState.state_dict` gathers every
 rank's state (a collective: every rank must call it, as these frameworks
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .._internal.collectives import world_size_and_rank
 
-__all__ = ["EveryRankState", "gather_every_rank", "own_entry"]
+__all__ = ["EveryRankState", "ddp_inside", "gather_every_rank", "not_ddp_message", "own_entry"]
 
 
 class EveryRankState:
@@ -96,3 +96,20 @@ def _to_cpu(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(v) for v in value)
     return value
+
+
+def ddp_inside(model: Any) -> Any:
+    """The ``DistributedDataParallel`` model under a ``torch.compile`` wrapper (what Accelerate's
+    ``dynamo_backend`` and the Trainer's ``torch_compile`` give), else ``model`` itself."""
+    return getattr(model, "_orig_mod", model) if isinstance(model, torch.nn.Module) else model
+
+
+def not_ddp_message(model: Any, processes: int, how_to_launch: str) -> str:
+    """Why ``model`` cannot take a comm hook, and what to do."""
+    if processes <= 1:
+        return (f"the model is a {type(model).__name__}, not a DistributedDataParallel model: with one process "
+                f"({processes}) nothing is wrapped in DDP and there is no communication to hook; launch with "
+                f"several processes ({how_to_launch})")
+    return (f"the model is a {type(model).__name__}, not a DistributedDataParallel model, with {processes} processes: "
+            "comm hooks are a DDP feature (FSDP and DeepSpeed do their own communication); train with DDP to use "
+            "them")

@@ -84,6 +84,12 @@ class CommHook(Callback):
                                "not also to DDPStrategy(ddp_comm_hook=...)") from error
         self.registered_on = model
 
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        if self.state_key not in checkpoint.get("callbacks", {}):
+            raise ValueError(f"the checkpoint holds no {self.state_key} state (saved without this callback, or "
+                             "with weights_only=True): the hook's residuals would restart at zero. Resume from a "
+                             "checkpoint saved with CommHook in the callbacks")
+
     def state_dict(self) -> Dict[str, Any]:
         """Every rank's hook state (a collective: Lightning calls it on every rank when it saves)."""
         return self.every_rank.state_dict()
@@ -120,8 +126,8 @@ class EveryRankCheckpoint(Callback):
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         if self.state_key not in checkpoint:
-            raise ValueError(f"the checkpoint holds no {self.state_key} entry: it was saved without this callback, "
-                             "with rank 0's weights and optimizer states only")
+            raise ValueError(f"the checkpoint holds no {self.state_key} entry (saved without this callback, or with "
+                             "weights_only=True): it has rank 0's weights and optimizer states only")
         own = own_entry(checkpoint[self.state_key])
         checkpoint["optimizer_states"] = own["optimizer_states"]  # Lightning restores the optimizers after this
         if trainer.strategy.restore_checkpoint_after_setup:

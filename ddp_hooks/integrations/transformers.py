@@ -12,9 +12,10 @@ adds a :class:`CommHookCallback` that registers the hook on the DDP model
 when training begins (before the first backward pass), writes every rank's
 hook state into each checkpoint folder the Trainer saves
 (``<output_dir>/checkpoint-<step>/comm_hook_state.pt``, one file from the
-saving process: :class:`~.every_rank.EveryRankState`), and on a resume gives
-each rank its own state back from the checkpoint folder of the step the
-Trainer resumed at. Needs ``pip install "ddp-hooks[transformers]"``.
+saving process: :class:`~.every_rank.EveryRankState`, with a checksum of
+the weights), and on a resume gives each rank its own state back from the
+checkpoint folder of the step the Trainer resumed at, in ``output_dir``
+(a file whose checksum is not that of the resumed weights is refused). Needs ``pip install "ddp-hooks[transformers]"``.
 
 Example (the callback alone; a complete run is in the README)::
 
@@ -35,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .every_rank import EveryRankState
+from .every_rank import EveryRankState, ddp_inside, not_ddp_message
 
 __all__ = ["CommHookCallback", "register_comm_hook"]
 
@@ -74,12 +75,10 @@ class CommHookCallback(TrainerCallback):
         self.registered_on = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        model = self.wrapped_model()
+        model = ddp_inside(self.wrapped_model())
         if not isinstance(model, DistributedDataParallel):
-            raise ValueError(
-                f"the Trainer trains a {type(model).__name__}, not a DistributedDataParallel model: launch with "
-                "several processes (torchrun --nproc_per_node N, or accelerate launch) so that it wraps the model "
-                "in DDP, or there is no communication to hook")
+            raise ValueError("the Trainer's model: " + not_ddp_message(model, args.world_size,
+                                                                      "torchrun --nproc_per_node N"))
         if self.registered_on is not model:
             model.register_comm_hook(self.state, self.hook)
             self.registered_on = model
@@ -90,13 +89,28 @@ class CommHookCallback(TrainerCallback):
                     f"the Trainer resumed at step {state.global_step} but {path} does not exist: the hook's "
                     "residuals would restart at zero. Resume from a checkpoint saved with register_comm_hook, "
                     "in the Trainer's output_dir")
-            self.every_rank.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if saved["weights_checksum"] != _checksum(model):
+                raise ValueError(
+                    f"{path} was saved beside other weights than those the Trainer resumed from (step "
+                    f"{saved['global_step']}): it belongs to another run's checkpoint-{state.global_step}. Resume "
+                    "from a checkpoint inside the Trainer's output_dir, where this callback finds its own file")
+            self.every_rank.load_state_dict(saved["hook_states"])
 
     def on_save(self, args, state, control, **kwargs):
         everyone = self.every_rank.state_dict()  # a collective: the Trainer calls on_save on every process
         if args.should_save:
-            torch.save(everyone, os.path.join(self._checkpoint_folder(args, state), self.file_name))
+            saved = {"global_step": state.global_step, "weights_checksum": _checksum(self.registered_on),
+                     "hook_states": everyone}
+            torch.save(saved, os.path.join(self._checkpoint_folder(args, state), self.file_name))
 
     @staticmethod
     def _checkpoint_folder(args, state) -> str:
         return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+def _checksum(model) -> float:
+    """The sum of every weight, in float64: ties the hook's file to the weights saved beside it (which every
+    rank shares under a sparsifying hook, and which the Trainer restores before training begins)."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum() for p in model.parameters()))

@@ -42,9 +42,11 @@ def plain_ddp(rank, world, steps):
 
 
 def local_adaalter(ddp_model):
-    """Local AdaAlter averaging every 2 steps after 1 synchronous step: rounds end at steps 3, 5, 7, so a
-    checkpoint after step 4 falls mid-round, where the ranks' weights and accumulators differ."""
-    return build_local_adaalter(ddp_model, lr=0.1, eps=1.0, period=2, warmup_steps=1)
+    """Local AdaAlter averaging every 2 steps after 1 synchronous step, with DiLoCo's outer optimizer: rounds
+    end at steps 3, 5, 7, so a checkpoint after step 4 falls mid-round, where the ranks' weights and
+    accumulators differ (and the outer optimizer holds an anchor and a velocity)."""
+    return build_local_adaalter(ddp_model, lr=0.1, eps=1.0, period=2, warmup_steps=1, outer_lr=0.7,
+                                outer_momentum=0.9)
 
 
 def plain_ddp_local_adaalter(rank, world, steps):

@@ -109,3 +109,12 @@ def test_local_adaalter_trains_as_plain_ddp_and_each_rank_resumes_its_own_state(
     assert not torch.equal(whole0, whole1)  # the run ends mid-round (step 8): the ranks differ
     assert torch.equal(whole0, plain0) and torch.equal(whole1, plain1)
     assert torch.equal(resumed0, whole0) and torch.equal(resumed1, whole1)
+
+
+def test_a_checkpoint_without_the_hooks_state_is_refused():
+    from ddp_hooks import sparsify_hook
+    from ddp_hooks.integrations.lightning import CommHook
+    from framework_jobs import new_state
+
+    with pytest.raises(ValueError, match=r"holds no CommHook state .* residuals would restart at zero"):
+        CommHook(new_state(), sparsify_hook).on_load_checkpoint(None, None, {"callbacks": {}})

@@ -77,7 +77,8 @@ def _refusals(rank, world, folder):
     errors = []
     plain = small_mlp()
     try:  # one process: the Trainer did not wrap the model in DDP
-        CommHookCallback(lambda: plain, new_state(), sparsify_hook).on_train_begin(None, None, None)
+        CommHookCallback(lambda: plain, new_state(), sparsify_hook).on_train_begin(SimpleNamespace(world_size=1),
+                                                                                   None, None)
     except ValueError as error:
         errors.append(str(error))
     resumed_at = SimpleNamespace(global_step=4)
@@ -86,10 +87,19 @@ def _refusals(rank, world, folder):
         callback.on_train_begin(SimpleNamespace(output_dir=folder), resumed_at, None)
     except FileNotFoundError as error:
         errors.append(str(error))
+    # a checkpoint folder of the same step from another run: its file does not match the resumed weights
+    other = os.path.join(folder, "checkpoint-4")
+    os.makedirs(other, exist_ok=True)
+    torch.save({"global_step": 4, "weights_checksum": 1.5, "hook_states": {}}, os.path.join(other, "comm_hook_state.pt"))
+    try:
+        callback.on_train_begin(SimpleNamespace(output_dir=folder), resumed_at, None)
+    except ValueError as error:
+        errors.append(str(error))
     return errors
 
 
-def test_a_model_without_ddp_and_a_checkpoint_without_hook_state_are_refused(tmp_path):
-    not_ddp, missing = run_distributed(_refusals, 1, str(tmp_path))[0]
-    assert "not a DistributedDataParallel model" in not_ddp and "Sequential" in not_ddp
+def test_a_model_without_ddp_and_a_checkpoint_without_or_with_another_hook_state_are_refused(tmp_path):
+    not_ddp, missing, other_run = run_distributed(_refusals, 1, str(tmp_path))[0]
+    assert "not a DistributedDataParallel model" in not_ddp and "Sequential" in not_ddp and "torchrun" in not_ddp
     assert str(tmp_path / "checkpoint-4" / "comm_hook_state.pt") in missing and "restart at zero" in missing
+    assert "saved beside other weights than those the Trainer resumed from" in other_run
