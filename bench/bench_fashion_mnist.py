@@ -197,7 +197,7 @@ def ablations(densities=(0.05, 0.01)):
     return runs
 
 
-def block_sizes(densities=(0.05, 0.01), sizes=(4, 16, 64, 256, 1 << 30)):
+def block_sizes(densities=(0.05, 0.01), sizes=(1, 4, 16, 64, 256, 1 << 30)):
     runs = [run_config("dense", hook="dense")]
     for d in densities:
         for b in sizes:
