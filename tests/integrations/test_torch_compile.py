@@ -3,6 +3,8 @@ tolerance, where the model is compiled inside DDP or DDP is compiled; DDP built 
 (``optimize_ddp="python_reducer"``), which calls hooks with ``(grad, param)`` instead of buckets, is refused
 with what to do."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,8 @@ def _against_eager(rank, world, path):
     return results
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor needs a C++ compiler on the CPU: apt-get install g++")
 @pytest.mark.parametrize("path", ["compile_module", "compile_ddp"])
 def test_every_hook_gives_eager_weights_when_compiled(path):
     everyone = run_distributed(_against_eager, 2, path, timeout=300)
