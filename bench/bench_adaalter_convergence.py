@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
-from adaalter_tables import report, table  # noqa: E402
+from adaalter_tables import family_and_period, report, table  # noqa: E402
 from bench_fashion_mnist import cnn, evaluate  # noqa: E402
 from ddp_hooks import build_local_adaalter, build_local_sgd, build_sync_adagrad  # noqa: E402
 from ddp_hooks.testing import run_distributed  # noqa: E402
@@ -99,16 +99,17 @@ def run_config(name, kind, period=None, rule=None, outer=False):
 def run_named(name):
     """The run a table row's name stands for: ``sync AdaGrad``, ``LAA H=<h> <rule>[ outer]`` or ``local SGD
     H=<h>``, so that ``--only`` can ask for any period, not only the defaults'."""
-    words = name.split()
-    periods = [w[2:] for w in words if w.startswith("H=")]
     if name == "sync AdaGrad":
         return run_config(name, "sync")
-    if periods and periods[0].isdigit() and int(periods[0]) > 0:
-        h = int(periods[0])
-        if words[:2] == ["local", "SGD"] and len(words) == 3:
-            return run_config(name, "local_sgd", h)
-        if words[0] == "LAA" and len(words) in (3, 4) and words[2] in RULES and words[3:] in ([], ["outer"]):
-            return run_config(name, "laa", h, words[2], len(words) == 4)
+    try:
+        family, h = family_and_period(name)
+    except ValueError:  # H= followed by something else than a number
+        family, h = name, 0
+    words = family.split()
+    if h > 0 and family == "local SGD":
+        return run_config(name, "local_sgd", h)
+    if h > 0 and words[:1] == ["LAA"] and len(words) in (2, 3) and words[1] in RULES and words[2:] in ([], ["outer"]):
+        return run_config(name, "laa", h, words[1], len(words) == 3)
     raise ValueError(f"--only: {name!r} names no run; the forms are 'sync AdaGrad', 'LAA H=<h> <rule>' and "
                      f"'LAA H=<h> <rule> outer' (rule one of {', '.join(RULES)}), 'local SGD H=<h>', h a "
                      f"positive integer")

@@ -27,9 +27,10 @@ Gradient Descent with Adaptive Learning Rates", 2019. Per coordinate, with
    averaging that is where the local steps began (the end of the synchronous
    warm-up, or the start with ``warmup_steps=0``: the same on every rank, as
    DDP broadcasts the parameters and warm-up steps are synchronous), so the
-   outer step acts from the first round on, as in DiLoCo. It moves every averaged parameter, one without a gradient in the round
-   too (by its outer momentum), and keeps two more copies of the parameters
-   (anchor and velocity, in their dtype).
+   outer step acts from the first round on, as in DiLoCo. It moves every
+   averaged parameter, one without a gradient in the round too (by its outer
+   momentum), and keeps two more copies of the parameters (anchor and
+   velocity, in their dtype).
 
 Conventions:
 

@@ -8,13 +8,14 @@
   ``load_state`` carry every rank's hook state.
 * :mod:`.transformers`: :func:`~.transformers.register_comm_hook`, one call
   that adds a hook to a Hugging Face ``Trainer`` and to its checkpoints.
-* :mod:`.every_rank`: :class:`~.every_rank.EveryRankState`, what all three use: a
-  hook state whose ``state_dict`` holds every rank's, for frameworks that
-  write their checkpoint from one process.
+* :mod:`.every_rank`: :class:`~.every_rank.EveryRankState`, what all three
+  use: a hook state whose ``state_dict`` holds every rank's, for frameworks
+  that write their checkpoint from one process.
 
 Each framework module imports its framework, so import it only where the
 framework is installed (``pip install "ddp-hooks[lightning]"``,
-``"ddp-hooks[accelerate]"`` or ``"ddp-hooks[transformers]"``); this package itself imports none of them.
+``"ddp-hooks[accelerate]"`` or ``"ddp-hooks[transformers]"``); this package
+itself imports none of them.
 """
 
 from .every_rank import EveryRankState

@@ -33,7 +33,7 @@ from typing import Any, Callable
 from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
-from .every_rank import EveryRankState, ddp_inside, not_ddp_message
+from .every_rank import EveryRankState, check_hook, ddp_inside, not_ddp_message
 
 __all__ = ["register_comm_hook"]
 
@@ -51,8 +51,7 @@ def register_comm_hook(accelerator: Accelerator, model: Any, state: Any, hook: C
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}")
-    if not callable(hook):
-        raise TypeError(f"`hook` must be a comm hook function hook(state, bucket), got {type(hook).__name__}")
+    check_hook(hook)
     ddp_model = ddp_inside(model)
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError("`model`: " + not_ddp_message(ddp_model, accelerator.num_processes,

@@ -3,8 +3,9 @@
 A sparsifying hook's residuals differ per rank (each holds what its own
 gradients have not sent yet), and so do Local AdaAlter's between
 averagings. Lightning and Accelerate build a checkpoint on every rank but
-write it from rank 0 only (so does the Hugging Face Trainer's helper here), so a hook state saved as ``state.state_dict()``
-would keep rank 0's residuals and drop the others'. :class:`EveryRankState`
+write it from rank 0 only (so does the Hugging Face Trainer's helper
+here), so a hook state saved as ``state.state_dict()`` would keep rank 0's
+residuals and drop the others'. :class:`EveryRankState`
 wraps the hook state: its :meth:`~EveryRankState.state_dict` gathers every
 rank's state (a collective: every rank must call it, as these frameworks
 do), and :meth:`~EveryRankState.load_state_dict` gives each rank its own
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from .._internal.collectives import world_size_and_rank
 
-__all__ = ["EveryRankState", "ddp_inside", "gather_every_rank", "not_ddp_message", "own_entry"]
+__all__ = ["EveryRankState", "check_hook", "ddp_inside", "gather_every_rank", "not_ddp_message", "own_entry"]
 
 
 class EveryRankState:
@@ -113,3 +114,10 @@ def not_ddp_message(model: Any, processes: int, how_to_launch: str) -> str:
     return (f"the model is a {type(model).__name__}, not a DistributedDataParallel model, with {processes} processes: "
             "comm hooks are a DDP feature (FSDP and DeepSpeed do their own communication); train with DDP to use "
             "them")
+
+
+def check_hook(hook: Any) -> Any:
+    """``hook`` if it can be a comm hook (a callable ``hook(state, bucket)``), else ``TypeError``."""
+    if not callable(hook):
+        raise TypeError(f"`hook` must be a comm hook function hook(state, bucket), got {type(hook).__name__}")
+    return hook

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
-from .every_rank import EveryRankState, gather_every_rank, own_entry
+from .every_rank import EveryRankState, check_hook, gather_every_rank, own_entry
 
 __all__ = ["CommHook", "EveryRankCheckpoint"]
 
@@ -58,8 +58,7 @@ class CommHook(Callback):
     """
 
     def __init__(self, state: Any, hook: Callable):
-        if not callable(hook):
-            raise TypeError(f"`hook` must be a comm hook function hook(state, bucket), got {type(hook).__name__}")
+        check_hook(hook)
         self.state, self.hook = state, hook
         self.every_rank = EveryRankState(state)  # checks that the state can be saved
         self.registered_on = None  # the DDP model the hook is registered on

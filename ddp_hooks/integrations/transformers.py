@@ -15,7 +15,8 @@ hook state into each checkpoint folder the Trainer saves
 saving process: :class:`~.every_rank.EveryRankState`, with a checksum of
 the weights), and on a resume gives each rank its own state back from the
 checkpoint folder of the step the Trainer resumed at, in ``output_dir``
-(a file whose checksum is not that of the resumed weights is refused). Needs ``pip install "ddp-hooks[transformers]"``.
+(a file whose checksum is not that of the resumed weights is refused).
+Needs ``pip install "ddp-hooks[transformers]"``.
 
 Example (the callback alone; a complete run is in the README)::
 
@@ -36,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .every_rank import EveryRankState, ddp_inside, not_ddp_message
+from .every_rank import EveryRankState, check_hook, ddp_inside, not_ddp_message
 
 __all__ = ["CommHookCallback", "register_comm_hook"]
 
@@ -68,8 +69,7 @@ class CommHookCallback(TrainerCallback):
     file_name = "comm_hook_state.pt"
 
     def __init__(self, wrapped_model: Callable[[], Any], state: Any, hook: Callable):
-        if not callable(hook):
-            raise TypeError(f"`hook` must be a comm hook function hook(state, bucket), got {type(hook).__name__}")
+        check_hook(hook)
         self.wrapped_model, self.state, self.hook = wrapped_model, state, hook
         self.every_rank = EveryRankState(state)  # checks that the state can be saved
         self.registered_on = None
