@@ -9,8 +9,10 @@ units are drawn together, with no generator per unit:
    for ``j < d_u`` (gamma the SplitMix64 increment, so nearby seeds give
    unrelated streams), with ``d_u`` a little above the expected number of
    draws that yields ``k_u`` distinct values, ``n_u ln(n_u / (n_u - k_u))``;
-2. one stable sort of the absolute positions (units are disjoint and
-   ascending) finds each value's first draw;
+2. each value's first draw is marked (:func:`~.first_draws.first_draws`:
+   a table of first draws, or one stable sort of the absolute positions;
+   units are disjoint, so a value's first draw overall is its first in its
+   unit);
 3. each unit keeps the first ``k_u`` distinct values in draw order.
 
 Drawing with replacement and skipping repeats until ``k_u`` distinct values
@@ -42,6 +44,7 @@ import torch
 from ..._internal.seeding import GAMMA, derive_seed, derive_seeds, generator_for, splitmix64_tensor, uniform_below
 
 from .base import SelectionRequest, Selector
+from .first_draws import first_draws
 
 __all__ = ["RandomK", "random_subsets"]
 
@@ -120,7 +123,6 @@ class _Plan(NamedTuple):
     last: torch.Tensor  # last draw of each unit
     ks_t: torch.Tensor
     keys_t: torch.Tensor
-    narrow: bool  # positions fit int32, which sorts faster than int64 on the CPU
 
 
 @lru_cache(maxsize=256)
@@ -132,21 +134,15 @@ def _plan(offsets, sizes, ks, keys, draws, device) -> _Plan:
     return _Plan(offsets, sizes, ks, keys, draws, unit, j * GAMMA,
                  torch.tensor(sizes, device=device).index_select(0, unit),
                  torch.tensor(offsets, device=device).index_select(0, unit),
-                 first, first + counts - 1, torch.tensor(ks, device=device), torch.tensor(keys, device=device),
-                 offsets[-1] + sizes[-1] <= 2**31 - 1)
+                 first, first + counts - 1, torch.tensor(ks, device=device), torch.tensor(keys, device=device))
 
 
 def _first_distinct_draws(plan: _Plan, seed: int, step: int, rank: int) -> torch.Tensor:
-    """For each unit, the first ``k_u`` distinct values of ``d_u`` hashed draws (one stable sort)."""
+    """For each unit, the first ``k_u`` distinct values of ``d_u`` hashed draws."""
     unit_seed = derive_seeds(seed, step, plan.keys_t, rank).index_select(0, plan.unit)
     position = uniform_below(splitmix64_tensor(unit_seed.add_(plan.stride)), plan.size).add_(plan.offset)
-    # Units are disjoint and ascending, so a stable sort of the absolute
-    # positions groups each unit's equal values in draw order: the first
-    # entry of each run of equal values is that value's first draw.
-    grouped, order = torch.sort(position.int() if plan.narrow else position, stable=True)
-    first_of_run = torch.ones_like(grouped, dtype=torch.bool)
-    torch.ne(grouped[1:], grouped[:-1], out=first_of_run[1:])
-    new_value = torch.empty_like(first_of_run).scatter_(0, order, first_of_run)  # back in draw order
+    # Units are disjoint, so a value's first draw among all draws is its first in its unit.
+    new_value = first_draws(position, plan.offsets[-1] + plan.sizes[-1])
     distinct = torch.cumsum(new_value, 0)  # distinct values up to each draw, inclusive
     at_first = distinct.index_select(0, plan.first)  # a unit's first draw is always new
     have = distinct.index_select(0, plan.last) - at_first + 1
