@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from ddp_hooks import SparsifyState
+from ddp_hooks.sparsify import SparsifyOptions
 from ddp_hooks.sparsify.commit import commit
 from ddp_hooks.sparsify.exchange import Piece, launch
 from ddp_hooks.sparsify.nonfinite import scan
@@ -62,7 +63,8 @@ def _group(mb, density):
 class KernelBucket:
     """A flat gradient, its residual and layout, and a SparsifyState bound to a world of one."""
 
-    def __init__(self, mb, density, method, scope, aggregation, into_bucket=False, block_size=16):
+    def __init__(self, mb, density, method, scope, aggregation, into_bucket=False,
+                 block_size=SparsifyOptions.block_size):
         numel = mb * 2**20 // 4
         per_layer = numel // LAYERS
         numel = per_layer * LAYERS
@@ -148,10 +150,10 @@ def test_hook(benchmark, mb, density, config):
     vars(bucket).clear()
 
 
-@pytest.mark.parametrize("block_size", [4, 64, 1 << 30], ids=[f"25-0.01-random_block-layer-{b}" for b in
-                                                                ("b4", "b64", "one_block")])
+@pytest.mark.parametrize("block_size", [1, 16, 64, 1 << 30], ids=[f"25-0.01-random_block-layer-{b}" for b in
+                                                                    ("b1", "b16", "b64", "one_block")])
 def test_random_block_sizes(benchmark, block_size):
-    """random_block, layer scope, 25 MB at density 0.01, with other block sizes than the default 16."""
+    """random_block, layer scope, 25 MB at density 0.01, with other block sizes than the default (4)."""
     benchmark.group = _group(25, 0.01)
     bucket = KernelBucket(25, 0.01, "random_block", "layer", "allreduce", block_size=block_size)
     bucket.refill()

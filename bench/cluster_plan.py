@@ -21,6 +21,8 @@ import argparse
 from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional, Sequence
 
+from ddp_hooks.sparsify import SparsifyOptions
+
 __all__ = ["Method", "Run", "sparsifier", "all_methods", "headline_methods", "full_plan", "headline_plan",
            "quick_plan", "repeat", "BANDWIDTHS"]
 
@@ -78,7 +80,7 @@ class Method:
             eps={"adagrad": 1e-10, "local_adaalter": 1.0}.get(self.optimizer), period=self.period,
             lazy_correction=None, outer_lr=1.0, outer_momentum=0.0,  # Local AdaAlter's defaults
             # step times in the steady state: no density warm-up inside the timed windows
-            block_size=16, density_warmup_steps=0)
+            block_size=SparsifyOptions.block_size, density_warmup_steps=0)  # random-block: the default blocks
 
     def as_dict(self) -> dict:
         return asdict(self)

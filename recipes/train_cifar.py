@@ -46,7 +46,7 @@ from ddp_hooks.sparsify.selectors import selector_class, selector_names
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helper modules beside this file
 
-from cifar_data import ImageSet, augment, load_cifar10, make_synthetic  # noqa: E402
+from cifar_data import augment, load_cifar10, make_synthetic  # noqa: E402
 from cifar_models import MODELS, build_model  # noqa: E402
 from comm_setup import HOOKS, OPTIMIZERS, build_exchange, build_optimizer  # noqa: E402
 from fashion_mnist_data import DEBIAN_FOLDER, load_fashion_mnist  # noqa: E402
@@ -62,7 +62,7 @@ _OWNED_OPTIONS = {
     "density": ("hook", "sparsify", 0.01),
     "scope": ("hook", "sparsify", "layer"),
     "aggregation": ("hook", "sparsify", "allreduce"),
-    "block_size": ("hook", "sparsify", 16),
+    "block_size": ("hook", "sparsify", 4),
     "density_warmup_steps": ("hook", "sparsify", None),  # None: the hook's default (1000)
     "powersgd_rank": ("hook", "powersgd", 1),
     "period": ("optimizer", "local_adaalter", 8),
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--density", type=float, default=None,
                    help="sparsify: fraction of entries sent, in (0, 1] (default: 0.01)")
     g.add_argument("--block-size", type=int, default=None,
-                   help="sparsify, random_block: entries per block (default: 16)")
+                   help="sparsify, random_block: entries per block (default: 4)")
     g.add_argument("--density-warmup-steps", type=int, default=None,
                    help="sparsify: steps over which the density falls from 1 to --density (default: 1000)")
     g.add_argument("--scope", choices=("layer", "bucket", "global"), default=None,

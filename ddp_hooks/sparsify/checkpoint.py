@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, NamedTuple, Optional, Set
 
-import torch
-
 from .._internal.codec import float_to_bits
 from .._internal.validation import check_int
 from .nonfinite import NonfiniteSteps
@@ -35,6 +33,8 @@ CONFIG_ADDED_LATER = {"momentum_bits": float_to_bits(0.0), "weight_decay_bits": 
 # Options added later still (issue 16) that change which entries are sent or how the result is
 # presented, not what the residuals mean: a state saved without them resumes under any value.
 CONFIG_FREE_IF_ABSENT = ("block_size", "optimizer_momentum")
+# Options that only some selectors read (their ``own_options``).
+SELECTOR_OPTIONS = ("block_size",)
 REQUIRED = {"version", "step", "config", "rank", "world_size", "residuals", "stats"}
 
 
@@ -81,6 +81,10 @@ def load_into(state, state_dict: Dict[str, Any], *, residuals: bool = True) -> N
         logger.warning("SparsifyState: the hook state was saved before %s existed; it resumes with %s",
                        ", ".join(absent), ", ".join(f"{name}={getattr(state.options, name)!r}" for name in absent))
         saved.update({name: mine[name] for name in absent})
+    # an option of another selector's (block_size for top-k) changes nothing here: a random-k state saved
+    # when block_size defaulted to 16 resumes under today's default
+    saved.update({name: mine[name] for name in SELECTOR_OPTIONS
+                  if name not in state.options.selector.own_options and saved["method"] == mine["method"]})
     if saved != mine:
         raise ValueError(
             f"the hook state was saved with {SparsifyOptions.describe(saved)} but this SparsifyState has "

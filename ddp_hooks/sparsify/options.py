@@ -136,7 +136,7 @@ class SparsifyOptions:
     seed: int = 0
     momentum: float = 0.0
     weight_decay: float = 0.0
-    block_size: int = 16
+    block_size: int = 4
     optimizer_momentum: str = "auto"
     density_warmup_steps: Optional[int] = None
     error_feedback_beta: float = 1.0

@@ -56,7 +56,7 @@ class SparsifyState:
         warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps (0).
         density_warmup_steps (int): steps over which the density falls from 1 (``None``: 1000).
         seed (int): seed of the random selectors (0).
-        block_size (int): ``random_block``'s entries per block (16).
+        block_size (int): ``random_block``'s entries per block (4).
         momentum, weight_decay (float): the hook's own momentum and weight decay (0, 0).
         optimizer_momentum (str): ``"auto"`` (default), ``"sends"`` or ``"steps"``.
         error_feedback_beta (float): a low-pass filter on the residual, in (0, 1] (1: none).
@@ -122,7 +122,7 @@ class SparsifyState:
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         grad_scaler: Optional["torch.amp.GradScaler"] = None,
-        block_size: int = 16,
+        block_size: int = 4,
         optimizer_momentum: str = "auto",
         density_warmup_steps: Optional[int] = None,
         error_feedback_beta: float = 1.0,

@@ -1,10 +1,8 @@
 """Multi-process checks of Local AdaAlter on gloo against single-process simulations."""
 
-import copy
 import os
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks.adaalter import LocalAdaAlter, LocalSGDState, build_local_adaalter, local_sgd_hook

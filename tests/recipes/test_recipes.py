@@ -311,11 +311,11 @@ def test_plot_refuses_mismatched_labels():
 def test_block_size_and_density_warmup_reach_the_sparsifier():
     import comm_setup
 
-    state = comm_setup.build_exchange(_args("--hook", "sparsify", "--block-size", "4",
+    state = comm_setup.build_exchange(_args("--hook", "sparsify", "--block-size", "16",
                                             "--density-warmup-steps", "50")).state
-    assert (state.block_size, state.density_warmup_steps) == (4, 50)
+    assert (state.block_size, state.density_warmup_steps) == (16, 50)
     default = comm_setup.build_exchange(_args("--hook", "sparsify")).state
-    assert (default.block_size, default.density_warmup_steps) == (16, 1000)  # the hook's own defaults
+    assert (default.block_size, default.density_warmup_steps) == (4, 1000)  # the hook's own defaults
     with pytest.raises(ValueError, match="--block-size must be >= 1, got 0"):
         _args("--hook", "sparsify", "--block-size", "0")
     with pytest.raises(ValueError, match="--density-warmup-steps applies to --hook sparsify only"):

@@ -123,7 +123,7 @@ def test_random_block_choice_is_a_function_of_seed_step_unit_rank_and_block_size
     args = dict(values=torch.zeros(1000), units=[Unit(3, 0, 1000)], density=0.05)
     a = select("random_block", seed=9, step=2, **args)
     assert torch.equal(a, select("random_block", seed=9, step=2, **args))
-    for other in (dict(step=3), dict(rank=1), dict(block_size=4)):
+    for other in (dict(step=3), dict(rank=1), dict(block_size=16)):
         assert not torch.equal(a, select("random_block", **{"seed": 9, "step": 2, **other}, **args))
 
 
@@ -322,3 +322,14 @@ def test_density_falls_geometrically_after_the_warm_up():
     assert state.density_at(60) == pytest.approx(0.1) and state.density_at(110) == 0.01
     assert SparsifyState(method="topk", aggregation="allgather").density_warmup_steps == 1000
     assert SparsifyState(method="randomk", density_warmup_steps=0).density_warmup_steps == 0
+
+
+def test_block_size_matters_to_random_block_only_when_loading():
+    """A random-k or top-k state saved when block_size defaulted to 16 resumes under today's default."""
+    for method, aggregation in (("randomk", "allreduce"), ("topk", "allgather")):
+        sd = SparsifyState(method=method, aggregation=aggregation, block_size=16).state_dict()
+        state = SparsifyState(method=method, aggregation=aggregation)
+        state.load_state_dict(sd)
+        assert state.block_size == 4 and state.step == sd["step"]
+    with pytest.raises(ValueError, match="block_size=16.* but this SparsifyState has .*block_size=4"):
+        SparsifyState(method="random_block").load_state_dict(SparsifyState(block_size=16).state_dict())

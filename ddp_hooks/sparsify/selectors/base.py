@@ -120,6 +120,9 @@ class Selector:
     communicates: ClassVar[bool] = False
     reads_values: ClassVar[bool] = False
     leaves_at_random_times: ClassVar[bool] = False
+    #: the options of its own that :meth:`from_options` reads (``block_size``): a checkpoint's other
+    #: selectors' options cannot matter to it, so loading ignores them
+    own_options: ClassVar[Tuple[str, ...]] = ()
 
     @classmethod
     def from_options(cls, options) -> "Selector":

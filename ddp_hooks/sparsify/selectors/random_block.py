@@ -157,8 +157,9 @@ class RandomBlock(Selector):
     name = "random_block"
     code = 2
     leaves_at_random_times = True
+    own_options = ("block_size",)
 
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = 4) -> None:
         self.block_size = int(block_size)
 
     @classmethod

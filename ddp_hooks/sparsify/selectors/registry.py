@@ -27,7 +27,7 @@ from typing import Dict, Tuple, Type
 import torch
 
 from ..._internal.seeding import SHARED
-from .base import SelectionRequest, Selector, Unit
+from .base import SelectionRequest, Selector, Unit  # noqa: F401 (Unit: the docstring examples use it)
 from .random_block import RandomBlock
 from .randomk import RandomK
 from .shared_topk import SharedTopK
