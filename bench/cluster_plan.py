@@ -103,6 +103,10 @@ def sparsifier(method: str, density: float, scope: str, aggregation: str) -> Met
 
 
 ALLREDUCE = Method("allreduce hook", "allreduce")
+# PyTorch's noop_hook: no gradient exchange at all, so its step time is the ceiling no hook can beat
+NOOP = Method("noop hook (no exchange)", "noop")
+# one 4-byte allreduce per bucket and no exchange: what keeping the ranks in step costs on its own
+BARRIER = Method("4-byte allreduce per bucket", "barrier")
 # the baseline measured once more at the end of a run: the gap shows how the machine's speed drifted meanwhile
 ALLREDUCE_AGAIN = Method("allreduce hook, again", "allreduce")
 FP16 = Method("fp16 hook", "fp16")
@@ -113,8 +117,8 @@ ADAALTER = {h: Method(f"Local AdaAlter H={h}", "local_sgd", optimizer="local_ada
 
 def all_methods() -> List[Method]:
     """Every configuration of issue 6: PyTorch's hooks, our sparsifiers, Local AdaAlter and its baseline;
-    the allreduce hook first and again last."""
-    methods = [ALLREDUCE, FP16, POWERSGD[1], POWERSGD[4]]
+    the allreduce hook first and again last; the noop hook (issue 21's ceiling)."""
+    methods = [ALLREDUCE, NOOP, FP16, POWERSGD[1], POWERSGD[4]]
     for method in ("topk", "randomk", "random_block"):
         for density in (0.01, 0.1):
             for scope in ("layer", "bucket", "global"):
@@ -126,8 +130,9 @@ def all_methods() -> List[Method]:
 
 
 def headline_methods() -> List[Method]:
-    """The rows of the targets: allreduce hook, random-block at 0.01 (the defaults), PowerSGD rank 4."""
-    return [ALLREDUCE, sparsifier("random_block", 0.01, "layer", "allreduce"), POWERSGD[4]]
+    """The rows of the targets: allreduce hook, random-block at 0.01 (the defaults), PowerSGD rank 4, and the
+    noop hook, the ceiling, and the 4-byte allreduce per bucket, the cost of synchronising alone."""
+    return [ALLREDUCE, sparsifier("random_block", 0.01, "layer", "allreduce"), POWERSGD[4], NOOP, BARRIER]
 
 
 def full_plan(hosts: Sequence[int] = (2, 4), models: Sequence[str] = ("resnet20", "resnet18"),
@@ -153,7 +158,7 @@ def repeat(runs: Sequence[Run], rounds: int) -> List[Run]:
 def quick_plan() -> List[Run]:
     """Under 3 minutes: the small model with one of each kind on 2 and 4 hosts, ResNet-18's headline rows
     on 4 hosts; 1 Gbit/s and 100 Mbit/s only."""
-    small = [ALLREDUCE, FP16, POWERSGD[1], sparsifier("topk", 0.01, "layer", "allgather"),
+    small = [ALLREDUCE, NOOP, FP16, POWERSGD[1], sparsifier("topk", 0.01, "layer", "allgather"),
              sparsifier("randomk", 0.01, "layer", "allreduce"), sparsifier("random_block", 0.01, "layer", "allreduce"),
              SYNC_ADAGRAD, ADAALTER[4]]
     shaped = ("1gbit", "100mbit")

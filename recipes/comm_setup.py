@@ -23,11 +23,16 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 
-__all__ = ["HOOKS", "OPTIMIZERS", "Exchange", "build_exchange", "build_optimizer", "hook_warmup_steps"]
+__all__ = ["HOOKS", "BENCH_HOOKS", "OPTIMIZERS", "Exchange", "build_exchange", "build_optimizer",
+           "hook_warmup_steps"]
 
 HOOKS = ("allreduce", "fp16", "powersgd", "sparsify", "local_sgd")
+# Hooks for benchmarks only, under which each rank trains on its own gradients and the replicas drift apart:
+# PyTorch's noop_hook exchanges nothing, the ceiling no hook can beat; "barrier" adds one 4-byte allreduce per
+# bucket, the cost of keeping the ranks in step alone (latency, waiting for the slowest rank).
+BENCH_HOOKS = ("noop", "barrier")
 OPTIMIZERS = ("sgd", "adagrad", "local_adaalter")
 
 
@@ -175,6 +180,14 @@ def _bucket_nbytes(bucket, ratio: float = 1.0) -> int:
     return int(buffer.numel() * buffer.element_size() * ratio)
 
 
+def barrier_hook(process_group, bucket) -> torch.futures.Future:
+    """Allreduce one float per bucket and leave the gradients as they are (benchmarks only, see BENCH_HOOKS)."""
+    token = torch.zeros(1, device=bucket.buffer().device)
+    fut = dist.all_reduce(token, group=process_group, async_op=True).get_future()
+    buffer = bucket.buffer()
+    return fut.then(lambda _: buffer)
+
+
 def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad_scaler=None) -> Exchange:
     """The comm hook of ``args.hook`` with its state, wrapped in an :class:`Exchange`.
 
@@ -184,6 +197,10 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad
     if args.hook == "allreduce":
         return Exchange("allreduce", process_group, default_hooks.allreduce_hook,
                         bucket_bytes=lambda bucket, _: _bucket_nbytes(bucket))
+    if args.hook == "noop":
+        return Exchange("noop", process_group, debugging_hooks.noop_hook, bucket_bytes=lambda bucket, _: 0)
+    if args.hook == "barrier":
+        return Exchange("barrier", process_group, barrier_hook, bucket_bytes=lambda bucket, _: 4)
     if args.hook == "fp16":
         return Exchange("fp16", process_group, default_hooks.fp16_compress_hook,
                         bucket_bytes=lambda bucket, _: _bucket_nbytes(bucket, 2 / bucket.buffer().element_size()))
@@ -217,7 +234,7 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad
         # build_optimizer shares the schedule with LocalAdaAlter, whose averaging count_averaging counts.
         return Exchange("local_sgd", state, local_sgd_hook, bucket_bytes=lambda bucket, delta: (
             _bucket_nbytes(bucket) if delta > 0 else 0))
-    raise ValueError(f"unknown hook {args.hook!r}; choose one of {', '.join(HOOKS)}")
+    raise ValueError(f"unknown hook {args.hook!r}; choose one of {', '.join(HOOKS + BENCH_HOOKS)}")
 
 
 def build_optimizer(args, params, exchange: Optional[Exchange] = None,

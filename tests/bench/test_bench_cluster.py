@@ -249,7 +249,8 @@ def test_plan_has_every_configuration_of_the_issue():
         ("PowerSGD rank 1", 1), ("PowerSGD rank 4", 4)}
     assert [m.period for m in methods if m.optimizer == "local_adaalter"] == [4, 8]
     assert [m.group_per_bucket for m in methods].count(True) == 2
-    assert len(set(methods)) == len(methods) == 38
+    assert len(set(methods)) == len(methods) == 39
+    assert cluster_plan.NOOP in methods and cluster_plan.NOOP in cluster_plan.headline_methods()
     assert methods[0].hook == methods[-1].hook == "allreduce" and methods[-1].label == "allreduce hook, again"
     quick = cluster_plan.quick_plan()
     assert {(r.hosts, r.model) for r in quick} == {(2, "resnet20"), (4, "resnet20"), (4, "resnet18")}
@@ -274,7 +275,7 @@ def test_plans_by_host_count():
     plan = bench_cluster.build_plan(bench_cluster.parse_args(["--quick"]))
     assert {h: [r.model for r in runs] for h, runs in plan.items()} == {2: ["resnet20"], 4: ["resnet20", "resnet18"]}
     plan = bench_cluster.build_plan(bench_cluster.parse_args(["--hosts", "3", "--models", "resnet18"]))
-    assert list(plan) == [3] and len(plan[3][0].methods) == 38
+    assert list(plan) == [3] and len(plan[3][0].methods) == 39
 
 
 def test_bandwidths_are_measured_fastest_first():
@@ -321,6 +322,27 @@ def test_tables_compare_with_the_allreduce_row_of_the_same_cluster():
         in targets
 
 
+def test_the_noop_hook_is_the_ceiling_of_every_row_and_of_issue_21s_targets():
+    block = dict(method="random_block", density=0.01, scope="layer", aggregation="allreduce")
+    records = [_record("allreduce hook", "allreduce", 6.0), _record("random-block", "sparsify", 1.04, **block),
+               _record("noop hook (no exchange)", "noop", 1.0),
+               _record("allreduce hook", "allreduce", 1.3, bandwidth="1gbit"),
+               _record("random-block", "sparsify", 1.2, bandwidth="1gbit", **block),
+               _record("noop hook (no exchange)", "noop", 1.0, bandwidth="1gbit")]
+    groups = bench_cluster.group_records(records)
+    table = bench_cluster.format_table(groups[("resnet18", 4, "100mbit")])
+    assert "| speed-up | x noop |" in table
+    assert "| random-block | 0.01, layer, allreduce | 1.040 | 5.77x | 1.04x |" in table
+    targets = bench_cluster.format_targets(records)
+    assert "100mbit: random-block d=0.01 layer allreduce: 1.040 s/step, 1.04x the noop hook's 1.000 (target 1.05x: " \
+           "met)" in targets
+    assert "1gbit: random-block d=0.01 layer allreduce: 1.200 s/step, 1.20x the noop hook's 1.000 (target 1.10x: " \
+           "MISSED)" in targets
+    without = bench_cluster.format_table(groups[("resnet18", 4, "100mbit")][:2])
+    assert "x noop" not in without  # a run without the noop row has no such column
+    assert "no noop row" in bench_cluster.format_targets(records[:2])
+
+
 def test_summary_and_report_from_a_results_file(tmp_path, capsys):
     import json
 
@@ -329,7 +351,7 @@ def test_summary_and_report_from_a_results_file(tmp_path, capsys):
     records = [_record("allreduce hook", "allreduce", 3.0), _record("random-block", "sparsify", 2.0, **block),
                _record("top-k", "sparsify", 1.0, **topk), _record("allreduce hook, again", "allreduce", 5.0)]
     summary = bench_cluster.format_summary(records)
-    assert summary.splitlines()[2] == ("| resnet18 | 4 | 100mbit | 4.000 (3.00, 5.00) |  |  |  |  |  | 2.00x |  |  |  |  "
+    assert summary.splitlines()[2] == ("| resnet18 | 4 | 100mbit | 4.000 (3.00, 5.00) |  |  |  |  |  |  | 2.00x |  |  |  |  "
                                        "| 4.00x top-k d=0.1 global allgather |")
     path = tmp_path / "r.jsonl"
     run = {"command": "python bench/bench_cluster.py", "wall_s": 12.0, "batch": 4, "image_size": 32, "steps": 3,
@@ -489,3 +511,29 @@ def test_real_cluster_owner_killed(sig):
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     left += subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert f"ddphb-{owner.pid}-" not in left and f"ddh{owner.pid}" not in left
+
+
+def _bench_hooks_leave_gradients_local(rank, world_size):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from comm_setup import build_exchange
+
+    for method in (cluster_plan.NOOP, cluster_plan.BARRIER):
+        torch.manual_seed(0)
+        local = torch.nn.Linear(4, 3)
+        model = DDP(torch.nn.Linear(4, 3))
+        model.module.load_state_dict(local.state_dict())
+        exchange = build_exchange(method.recipe_args())
+        exchange.register(model)
+        x = torch.full((2, 4), float(rank + 1))
+        model(x).sum().backward()
+        local(x).sum().backward()
+        for mine, alone in zip(model.parameters(), local.parameters()):
+            assert torch.equal(mine.grad, alone.grad), method.label  # not averaged: this rank's own gradient
+        assert exchange.bytes_sent == (0 if method.hook == "noop" else 4)  # one bucket: one float
+
+
+def test_the_ceiling_hooks_send_nothing_and_leave_each_rank_its_gradient():
+    from ddp_hooks.testing import run_distributed
+
+    run_distributed(_bench_hooks_leave_gradients_local, 2)
