@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.join(REPO, "recipes"))
 from cluster import Cluster, ClusterError, IFNAME, check_prerequisites, exit_on_signals, parse_rate  # noqa: E402
 from cluster_control import ack_path, pending_request, write_atomic  # noqa: E402
 from cluster_plan import (ADAALTER, BANDWIDTHS, FP16, NOOP, POWERSGD, SYNC_ADAGRAD, Method, Run,  # noqa: E402
-                          full_plan, headline_plan, quick_plan, repeat, shared_topk_plan, sparsifier)
+                          full_plan, headline_plan, quick_plan, repeat, shared_topk_plan, sparsifier,
+                          summary_methods)
 from run_metrics import format_bytes  # noqa: E402
 
 PORT = 29500  # inside host 0's namespace: nothing else listens there
@@ -200,8 +201,8 @@ def ceiling(rows: Sequence[dict]) -> Optional[float]:
 def format_table(rows: Sequence[dict]) -> str:
     """A markdown table of one (model, hosts, bandwidth); speed-up against the allreduce hook's row, and
     s/step over the noop hook's (1.00x: all communication hidden), where the run measured it."""
-    base, floor = baseline(rows), ceiling(rows)
-    header = ("method", "density, scope, aggregation", "s/step", "speed-up") + (("x noop",) if floor else ()) + (
+    base, noop_seconds = baseline(rows), ceiling(rows)
+    header = ("method", "density, scope, aggregation", "s/step", "speed-up") + (("x noop",) if noop_seconds else ()) + (
         "payload/step/rank", "wire/step/host", "forward s", "backward s", "exchange s", "compression s",
         "optimizer s")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -210,7 +211,7 @@ def format_table(rows: Sequence[dict]) -> str:
         seconds = f"{r['s_per_step']:.3f}"
         if r.get("rounds", 1) > 1:
             seconds += f" ({min(r['s_per_step_rounds']):.2f}-{max(r['s_per_step_rounds']):.2f})"
-        over_noop = (f"{r['s_per_step'] / floor:.2f}x",) if floor else ()
+        over_noop = (f"{r['s_per_step'] / noop_seconds:.2f}x",) if noop_seconds else ()
         cells = (r["label"], _options(r), seconds, speedup, *over_noop, format_bytes(r["payload_bytes_per_step"]),
                  format_bytes(r["wire_bytes_per_step"]), *(f"{r[f'{p}_s']:.3f}" for p in
                                                            ("forward", "backward", "exchange", "compression",
@@ -314,14 +315,14 @@ def format_targets(records: Sequence[dict]) -> str:
     measured = False
     for bandwidth, factor in (("100mbit", 1.05), ("1gbit", 1.10)):
         rows = groups.get(("resnet18", 4, bandwidth)) or []
-        floor = ceiling(rows)
+        noop_seconds = ceiling(rows)
         for r in rows:
-            if floor is None or r["method"] != "random_block" or r["density"] != 0.01:
+            if noop_seconds is None or r["method"] != "random_block" or r["density"] != 0.01:
                 continue
             measured = True
-            ratio = r["s_per_step"] / floor
+            ratio = r["s_per_step"] / noop_seconds
             lines.append(f"- {bandwidth}: {_method_name(r)}: {r['s_per_step']:.3f} s/step, {ratio:.2f}x the noop "
-                         f"hook's {floor:.3f} (target {factor:.2f}x: {'met' if ratio <= factor else 'MISSED'}); "
+                         f"hook's {noop_seconds:.3f} (target {factor:.2f}x: {'met' if ratio <= factor else 'MISSED'}); "
                          f"exchange {r['exchange_s']:.3f} s, compression {r['compression_s']:.3f} s per step")
     if not measured:
         lines.append("- (no noop row beside random-block d=0.01 on ResNet-18 with 4 hosts in this run)")
@@ -338,7 +339,7 @@ def build_plan(args) -> Dict[int, List[Run]]:
     elif args.shared_topk:
         runs = shared_topk_plan()
     else:
-        runs = full_plan(args.hosts, args.models, args.bandwidths)
+        runs = full_plan(args.hosts, args.models, args.bandwidths, summary_methods() if args.summary_methods else None)
     runs = repeat(runs, args.rounds)
     plan: Dict[int, List[Run]] = {}
     for run in runs:
@@ -357,6 +358,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--shared-topk", action="store_true",
                    help="shared top-k against top-k, random-block and the allreduce hook: resnet20 and resnet18 "
                         "on 4 hosts at 1gbit and 100mbit")
+    p.add_argument("--summary-methods", action="store_true",
+                   help="with --hosts/--models/--bandwidths: one method of each kind (cluster_plan."
+                        "summary_methods) instead of every configuration; e.g. for 8 hosts, where each row "
+                        "takes twice as long")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure the whole plan this many times; tables show the median over rounds (default: 1)")
     p.add_argument("--hosts", type=int, nargs="+", default=None, help="host counts (default: 2 4)")
@@ -383,7 +388,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.quick + args.headline + args.shared_topk > 1:
         p.error("choose one of --quick, --headline and --shared-topk")
     for name in ("quick", "headline", "shared_topk"):
-        if getattr(args, name) and chosen:
+        if getattr(args, name) and (chosen or args.summary_methods):
+            chosen = chosen + ["summary-methods"] * args.summary_methods
             p.error(f"--{name.replace('_', '-')} has its own plan; it does not take --{', --'.join(chosen)}")
     args.hosts = args.hosts or [2, 4]
     args.models = args.models or ["resnet20", "resnet18"]

@@ -23,7 +23,8 @@ from typing import List, Optional, Sequence
 
 from ddp_hooks.sparsify import SparsifyOptions
 
-__all__ = ["Method", "Run", "sparsifier", "all_methods", "headline_methods", "full_plan", "headline_plan",
+__all__ = ["Method", "Run", "sparsifier", "all_methods", "summary_methods", "headline_methods", "full_plan",
+           "headline_plan",
            "quick_plan", "repeat", "BANDWIDTHS"]
 
 BANDWIDTHS = ("unshaped", "1gbit", "100mbit")  # the order of measurement: warm-up runs unshaped
@@ -135,9 +136,21 @@ def headline_methods() -> List[Method]:
     return [ALLREDUCE, sparsifier("random_block", 0.01, "layer", "allreduce"), POWERSGD[4], NOOP, BARRIER]
 
 
+def summary_methods() -> List[Method]:
+    """One method of each kind: the allreduce hook first and again last, the two ceiling rows (noop, 4-byte
+    allreduce), PyTorch's other hooks, top-k, random-k and random-block at 0.01 with their defaults (layer
+    scope; top-k by AllGather), sync AdaGrad and Local AdaAlter H=4 and 8."""
+    return [ALLREDUCE, NOOP, BARRIER, FP16, POWERSGD[1], POWERSGD[4],
+            sparsifier("topk", 0.01, "layer", "allgather"), sparsifier("randomk", 0.01, "layer", "allreduce"),
+            sparsifier("random_block", 0.01, "layer", "allreduce"), SYNC_ADAGRAD, ADAALTER[4], ADAALTER[8],
+            ALLREDUCE_AGAIN]
+
+
 def full_plan(hosts: Sequence[int] = (2, 4), models: Sequence[str] = ("resnet20", "resnet18"),
-              bandwidths: Sequence[str] = BANDWIDTHS) -> List[Run]:
-    return [Run(h, m, all_methods(), tuple(bandwidths)) for h in hosts for m in models]
+              bandwidths: Sequence[str] = BANDWIDTHS, methods: Optional[List[Method]] = None) -> List[Run]:
+    """Every model on every host count at every bandwidth, with ``methods`` (default: :func:`all_methods`)."""
+    methods = all_methods() if methods is None else methods
+    return [Run(h, m, methods, tuple(bandwidths)) for h in hosts for m in models]
 
 
 def headline_plan() -> List[Run]:

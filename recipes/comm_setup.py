@@ -234,7 +234,8 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad
         # build_optimizer shares the schedule with LocalAdaAlter, whose averaging count_averaging counts.
         return Exchange("local_sgd", state, local_sgd_hook, bucket_bytes=lambda bucket, delta: (
             _bucket_nbytes(bucket) if delta > 0 else 0))
-    raise ValueError(f"unknown hook {args.hook!r}; choose one of {', '.join(HOOKS + BENCH_HOOKS)}")
+    raise ValueError(f"unknown hook {args.hook!r}; choose one of {', '.join(HOOKS)} (benchmarks also take "
+                     f"{', '.join(BENCH_HOOKS)})")
 
 
 def build_optimizer(args, params, exchange: Optional[Exchange] = None,

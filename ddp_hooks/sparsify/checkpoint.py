@@ -15,6 +15,7 @@ options added since are filled with the values those states imply.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Dict, NamedTuple, Optional, Set
 
 from .._internal.codec import float_to_bits
@@ -86,9 +87,12 @@ def load_into(state, state_dict: Dict[str, Any], *, residuals: bool = True) -> N
     saved.update({name: mine[name] for name in SELECTOR_OPTIONS
                   if name not in state.options.selector.own_options and saved["method"] == mine["method"]})
     if saved != mine:
+        differ = sorted(re.sub(r"_(e9|bits)$", "", name) for name in mine if saved.get(name) != mine[name])
+        hint = " (random_block's default block_size was 16 before it became 4)" if "block_size" in differ else ""
         raise ValueError(
-            f"the hook state was saved with {SparsifyOptions.describe(saved)} but this SparsifyState has "
-            f"{SparsifyOptions.describe(mine)}; build the state with the saved options to resume"
+            f"the hook state was saved with other options (differing: {', '.join(differ)}): saved with "
+            f"{SparsifyOptions.describe(saved)} but this SparsifyState has {SparsifyOptions.describe(mine)}; "
+            f"build the state with the saved options to resume{hint}"
         )
     check_int("state_dict['step']", state_dict["step"], 0)
     state.step = state_dict["step"]

@@ -262,7 +262,7 @@ def test_every_method_builds_with_the_recipe():
     from comm_setup import build_exchange, build_optimizer
 
     model = torch.nn.Linear(3, 2)
-    for method in cluster_plan.all_methods():
+    for method in cluster_plan.all_methods() + cluster_plan.summary_methods():
         args = method.recipe_args()
         exchange = build_exchange(args)
         build_optimizer(args, model.parameters(), exchange)
@@ -276,6 +276,13 @@ def test_plans_by_host_count():
     assert {h: [r.model for r in runs] for h, runs in plan.items()} == {2: ["resnet20"], 4: ["resnet20", "resnet18"]}
     plan = bench_cluster.build_plan(bench_cluster.parse_args(["--hosts", "3", "--models", "resnet18"]))
     assert list(plan) == [3] and len(plan[3][0].methods) == 39
+    plan = bench_cluster.build_plan(bench_cluster.parse_args(
+        ["--hosts", "8", "--models", "resnet18", "--bandwidths", "100mbit", "1gbit", "--summary-methods"]))
+    (run,) = plan[8]
+    assert list(plan) == [8] and run.methods == cluster_plan.summary_methods() and len(run.methods) == 13
+    assert tuple(run.bandwidths) == ("1gbit", "100mbit")
+    with pytest.raises(SystemExit):
+        bench_cluster.parse_args(["--headline", "--summary-methods"])
 
 
 def test_bandwidths_are_measured_fastest_first():

@@ -64,3 +64,26 @@ def test_selectors_choose_alike_with_and_without_the_table(monkeypatch):
     monkeypatch.setattr(first_draws_module, "TABLE_LIMIT", 0)  # every call sorts
     assert torch.equal(random_subsets(*subsets), with_table[0])
     assert torch.equal(random_blocks(*blocks), with_table[1])
+
+
+def test_a_failed_call_leaves_no_stale_entries():
+    with pytest.raises((IndexError, RuntimeError)):
+        first_draws(torch.tensor([1, 2, 3, 50]), 10, use_table=True)  # 50 is out of range
+    assert first_draws(torch.tensor([3, 1]), 4, use_table=True).tolist() == [True, True]
+    with pytest.raises((IndexError, RuntimeError)):
+        first_draws(torch.tensor([2, -20]), 10, use_table=True)
+    assert first_draws(torch.tensor([2, 2, 1]), 4, use_table=True).tolist() == [True, False, True]
+
+
+def test_a_table_made_under_inference_mode_serves_later_calls():
+    first_draws_module._tables.by_device = {}  # this thread's table is made now, inside inference mode
+    with torch.inference_mode():
+        assert first_draws(torch.tensor([4, 4]), 6, use_table=True).tolist() == [True, False]
+    assert first_draws(torch.tensor([5, 0, 5]), 6, use_table=True).tolist() == [True, True, False]
+
+
+def test_units_need_not_come_in_position_order():
+    cpu = torch.device("cpu")
+    swapped = random_subsets([100, 0], [50, 100], [5, 10], [1, 2], 3, 4, SHARED, cpu)
+    assert bool((swapped[:5] >= 100).all()) and bool((swapped[5:] < 100).all())
+    assert swapped[:5].unique().numel() == 5 and swapped[5:].unique().numel() == 10

@@ -333,3 +333,12 @@ def test_block_size_matters_to_random_block_only_when_loading():
         assert state.block_size == 4 and state.step == sd["step"]
     with pytest.raises(ValueError, match="block_size=16.* but this SparsifyState has .*block_size=4"):
         SparsifyState(method="random_block").load_state_dict(SparsifyState(block_size=16).state_dict())
+
+
+def test_a_refused_state_names_the_options_that_differ():
+    sd = SparsifyState(density=0.05, block_size=16).state_dict()
+    with pytest.raises(ValueError, match=r"differing: block_size, density\).*default block_size was 16"):
+        SparsifyState(density=0.01).load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"differing: seed\)") as refused:
+        SparsifyState(seed=5).load_state_dict(SparsifyState(seed=6).state_dict())
+    assert "block_size was 16" not in str(refused.value)

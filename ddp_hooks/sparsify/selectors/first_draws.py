@@ -11,7 +11,10 @@ not come before. Two ways to mark them, with the same result:
   ``"amin"``) leaves at each drawn value its first draw's index, so draw
   ``j`` is first iff ``table[x_j] == j``; the drawn entries are then reset.
   ``O(d)``, with three scattered passes over the draws; the table costs
-  ``4 R`` bytes, kept per thread and device and grown on demand.
+  ``4 R`` bytes, kept per thread and device and grown on demand. Calls
+  from one thread are assumed to run in order on the device (one CUDA
+  stream per thread, as DDP's comm hooks do); a call that fails drops the
+  table rather than leave entries set.
 
 The table pays where ``d`` is a few thousand to a few hundred thousand and
 ``R`` is small enough to keep: the blocks of random-block (``R`` = the
@@ -48,7 +51,8 @@ def first_draws(values: torch.Tensor, value_range: int, use_table: Optional[bool
     """Bool per draw: True where ``values[j]`` differs from every earlier ``values[i]``, ``i < j``.
 
     Args:
-        values (Tensor): int64 draws, each in ``[0, value_range)``, 1-D.
+        values (Tensor): int64 draws, each in ``[0, value_range)``, 1-D (a
+            value outside raises, as any index out of range).
         value_range (int): bound on the values.
         use_table (bool, optional): force the table (True) or the sort
             (False); by default the table when ``value_range <= TABLE_LIMIT``
@@ -60,9 +64,15 @@ def first_draws(values: torch.Tensor, value_range: int, use_table: Optional[bool
         return _by_sort(values, value_range)
     table = _table(value_range, values.device)
     order = torch.arange(values.numel(), dtype=torch.int32, device=values.device)
-    table.scatter_reduce_(0, values, order, reduce="amin")
-    first = table.index_select(0, values) == order
-    table.index_fill_(0, values, _EMPTY)  # back to empty for the next call
+    try:
+        table.scatter_reduce_(0, values, order, reduce="amin")
+        first = table.index_select(0, values) == order
+        table.index_fill_(0, values, _EMPTY)  # back to empty for the next call
+    except BaseException:
+        # a value out of range (or an interrupt) may have left entries set: drop the table, so that no later
+        # call reads them; the next call makes a fresh one
+        _tables.by_device.pop(values.device, None)
+        raise
     return first
 
 
@@ -81,5 +91,6 @@ def _table(value_range: int, device: torch.device) -> torch.Tensor:
         tables = _tables.by_device = {}
     table = tables.get(device)
     if table is None or table.numel() < value_range:
-        table = tables[device] = torch.full((value_range,), _EMPTY, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):  # made under inference mode, it could not be written outside it
+            table = tables[device] = torch.full((value_range,), _EMPTY, dtype=torch.int32, device=device)
     return table[:value_range]

@@ -142,7 +142,7 @@ def _first_distinct_draws(plan: _Plan, seed: int, step: int, rank: int) -> torch
     unit_seed = derive_seeds(seed, step, plan.keys_t, rank).index_select(0, plan.unit)
     position = uniform_below(splitmix64_tensor(unit_seed.add_(plan.stride)), plan.size).add_(plan.offset)
     # Units are disjoint, so a value's first draw among all draws is its first in its unit.
-    new_value = first_draws(position, plan.offsets[-1] + plan.sizes[-1])
+    new_value = first_draws(position, max(o + n for o, n in zip(plan.offsets, plan.sizes)))
     distinct = torch.cumsum(new_value, 0)  # distinct values up to each draw, inclusive
     at_first = distinct.index_select(0, plan.first)  # a unit's first draw is always new
     have = distinct.index_select(0, plan.last) - at_first + 1

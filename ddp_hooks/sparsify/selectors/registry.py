@@ -48,6 +48,10 @@ _BY_CODE: Dict[int, Type[Selector]] = {}
 def register_selector(cls: Type[Selector]) -> Type[Selector]:
     """Make ``cls`` available as ``SparsifyState(method=cls.name)``; returns ``cls`` (usable as a decorator).
 
+    A selector whose ``from_options`` reads an option of ``SparsifyState``
+    that only some selectors use (``block_size``) names it in its
+    ``own_options``: loading a checkpoint compares it only then.
+
     Registering the same class again is a no-op (a module imported twice, a
     spawned process).
 
