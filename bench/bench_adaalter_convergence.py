@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
 from adaalter_tables import family_and_period, report, table  # noqa: E402
 from bench_fashion_mnist import cnn, evaluate  # noqa: E402
+from bench_models import CharLSTM  # noqa: E402
 from ddp_hooks import build_local_adaalter, build_local_sgd, build_sync_adagrad  # noqa: E402
 from ddp_hooks.testing import run_distributed  # noqa: E402
 from fashion_mnist_data import find_fashion_mnist, read_fashion_mnist  # noqa: E402
@@ -80,16 +81,9 @@ TASKS = {"fashion-mnist": {"lr": 0.1, "eps": 1.0, "sgd_lr": 0.05},
          "fortunes": {"lr": 0.3, "eps": 0.1, "sgd_lr": 0.5}}
 
 
-class CharLSTM(torch.nn.Module):
-    def __init__(self, vocab: int, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = torch.nn.Embedding(vocab, 64)
-        self.lstm = torch.nn.LSTM(64, 128, batch_first=True)
-        self.head = torch.nn.Linear(128, vocab)
-
-    def forward(self, x):
-        return self.head(self.lstm(self.embed(x))[0])
+def char_lstm(vocab: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return CharLSTM(vocab)
 
 
 def run_config(name, kind, period=None, rule=None, outer=False):
@@ -166,7 +160,7 @@ def load(task, world, quick):
                                         reduction="sum").item() for i in range(0, len(vx), 256))
         return math.exp(total / vy.numel())
 
-    return dict(examples=(windows, nexts), make=lambda seed: CharLSTM(vocab, seed),
+    return dict(examples=(windows, nexts), make=lambda seed: char_lstm(vocab, seed),
                 loss=lambda m, b: F.cross_entropy(m(b[0]).reshape(-1, vocab), b[1].reshape(-1)), metric=perplexity)
 
 

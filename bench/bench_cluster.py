@@ -229,8 +229,14 @@ SUMMARY = (("noop (ceiling)", NOOP), ("fp16", FP16), ("PowerSGD r1", POWERSGD[1]
            ("sync AdaGrad", SYNC_ADAGRAD), ("AdaAlter H=4", ADAALTER[4]), ("AdaAlter H=8", ADAALTER[8]))
 
 
+_OPTIMIZER_SETTINGS = ("momentum", "weight_decay")  # how a method's optimizer is set, not which method it is
+
+
 def _is(record: dict, method: Method) -> bool:
-    return all(record.get(k) == v for k, v in method.as_dict().items())
+    """Whether ``record`` measured ``method`` (at any momentum and weight decay; fields older records lack take
+    their defaults)."""
+    defaults = {name: f.default for name, f in Method.__dataclass_fields__.items()}
+    return all(record.get(k, defaults[k]) == v for k, v in method.as_dict().items() if k not in _OPTIMIZER_SETTINGS)
 
 
 def format_summary(records: Sequence[dict]) -> str:

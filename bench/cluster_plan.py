@@ -44,6 +44,9 @@ class Method:
     aggregation: Optional[str] = None
     powersgd_rank: Optional[int] = None
     period: Optional[int] = None  # local_adaalter: H
+    # the optimizer's momentum and weight decay (the sparsifier's momentum path costs work of its own)
+    momentum: float = 0.0
+    weight_decay: float = 0.0
 
     @property
     def hook_warmup(self) -> int:
@@ -77,7 +80,8 @@ class Method:
         return argparse.Namespace(
             hook=self.hook, method=self.method, density=self.density, scope=self.scope,
             aggregation=self.aggregation, no_error_feedback=False, warmup_steps=self.hook_warmup, hook_seed=0,
-            powersgd_rank=self.powersgd_rank, optimizer=self.optimizer, lr=LR, momentum=0.0, weight_decay=0.0,
+            powersgd_rank=self.powersgd_rank, optimizer=self.optimizer, lr=LR, momentum=self.momentum,
+            weight_decay=self.weight_decay,
             eps={"adagrad": 1e-10, "local_adaalter": 1.0}.get(self.optimizer), period=self.period,
             lazy_correction=None, outer_lr=1.0, outer_momentum=0.0,  # Local AdaAlter's defaults
             # step times in the steady state: no density warm-up inside the timed windows

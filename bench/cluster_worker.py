@@ -44,7 +44,7 @@ import time
 import traceback
 from collections import defaultdict
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 sys.path.insert(0, HERE)
 
-from cifar_models import build_model  # noqa: E402
+from bench_models import build_bench_model, synthetic_batch  # noqa: E402
 from cluster_control import RankControl  # noqa: E402
 from cluster_plan import Method  # noqa: E402
 from comm_setup import build_exchange, build_optimizer  # noqa: E402
@@ -106,7 +106,7 @@ class MethodBench:
                  bucket_groups: "PerBucketGroups", width: Optional[int] = None):
         self.ifname = ifname
         torch.manual_seed(0)
-        self.ddp = DistributedDataParallel(build_model(model, width=width))
+        self.ddp = DistributedDataParallel(build_bench_model(model, width=width))
         args = method.recipe_args()
         self.exchange = build_exchange(args)
         self.optimizer = build_optimizer(args, self.ddp.parameters(), self.exchange)
@@ -130,7 +130,8 @@ class MethodBench:
 
     def step(self) -> Dict[str, float]:
         t0 = time.perf_counter()
-        loss = F.cross_entropy(self.ddp(self.images), self.labels)
+        logits = self.ddp(self.images)  # (batch, classes), or (batch, positions, characters) for the LSTM
+        loss = F.cross_entropy(logits.flatten(0, -2), self.labels.flatten())
         t1 = time.perf_counter()
         hook_s, averaging_s = self.exchange.hook_seconds, self.averaging_s
         loss.backward()
@@ -192,11 +193,6 @@ def combine(per_rank: List[dict]) -> dict:
     return out
 
 
-def _batch(rank: int, batch: int, size: int):
-    g = torch.Generator().manual_seed(1000 + rank)
-    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g)
-
-
 def run_plan(control_dir: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     with open(os.path.join(control_dir, "plan.json")) as f:
@@ -205,9 +201,9 @@ def run_plan(control_dir: str) -> None:
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=plan["timeout"]))
     control = RankControl(control_dir, rank, plan["timeout"], dist.barrier)
-    images, labels = _batch(rank, plan["batch"], plan["image_size"])
     bucket_groups = PerBucketGroups()
     for run in plan["runs"]:
+        images, labels = synthetic_batch(run["model"], rank, plan["batch"], plan["image_size"])
         for fields in run["methods"]:
             method = Method(**fields)
             control.switch("unshaped")
@@ -231,10 +227,12 @@ def run_plan(control_dir: str) -> None:
     dist.barrier()
 
 
-def main(control_dir: str) -> None:
+def run_as_host(body: Callable[[], None]) -> None:
+    """Run ``body`` as a cluster host's whole life: its traceback to the log on failure, the process group
+    destroyed, and the process ended with ``os._exit`` (0, or 1 after a failure)."""
     code = 0
     try:
-        run_plan(control_dir)
+        body()
     except BaseException:  # noqa: BLE001 - the controller reads the log
         traceback.print_exc()
         code = 1
@@ -248,6 +246,10 @@ def main(control_dir: str) -> None:
             pass
         # as ddp_hooks.testing: gloo's teardown aborts now and then at interpreter exit
         os._exit(code)
+
+
+def main(control_dir: str) -> None:
+    run_as_host(lambda: run_plan(control_dir))
 
 
 if __name__ == "__main__":
