@@ -1,0 +1,87 @@
+"""The time-to-accuracy benchmark's two parts on the simulated cluster (root): step times, and wall-clock runs.
+
+* :func:`run_step_times`: the cluster benchmark's worker (``cluster_worker``,
+  the same phase split) on a plan's model with 32 synthetic examples per host
+  and step: every row of ``tta_plan.step_time_plan`` (``fmnist-cnn``) or of
+  ``tta_language.lm_step_time_plan`` (``fortunes-lstm``) at 1 Gbit/s and
+  100 Mbit/s; results as ``bench_cluster`` writes them (JSON lines, one
+  ``{"run": ...}`` line last, and its markdown tables).
+* :func:`run_wall_clock`: one method trained on the shaped cluster
+  (``tta_training`` on every host) until it reaches the target, at one
+  bandwidth; the result is the curve with ``train_s`` measured on the wire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+from bench_cluster import PORT, format_report, read_results, run_host_count  # noqa: E402
+from cluster import IFNAME, Cluster  # noqa: E402
+from cluster_plan import Run  # noqa: E402
+from tta_plan import HOSTS  # noqa: E402
+from tta_training import BATCH  # noqa: E402
+
+__all__ = ["run_step_times", "run_wall_clock"]
+
+
+def run_step_times(plan: List[Run], path: str, command: str, steps: int = 8, min_window_s: float = 3.0) -> None:
+    """Time every row of ``plan`` on :data:`HOSTS` hosts; JSON lines to ``path``, tables beside."""
+    settings = argparse.Namespace(steps=steps, min_window=min_window_s, batch=BATCH, image_size=28, timeout=600.0,
+                                  out=os.path.abspath(path))
+    open(path, "w").close()
+    start = time.perf_counter()
+    with Cluster(HOSTS) as cluster:
+        run_host_count(cluster, HOSTS, plan, settings, PORT)
+    run = {"command": command, "wall_s": time.perf_counter() - start, "batch": BATCH, "image_size": 28,
+           "steps": steps, "min_window_s": min_window_s, "rounds": len(plan), "model": plan[0].model}
+    with open(path, "a") as f:
+        f.write(json.dumps({"run": run}) + "\n")
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(format_report(*read_results(path)))
+
+
+def run_wall_clock(spec: dict, bandwidth: str, timeout_s: float = 1800.0) -> dict:
+    """Train ``spec`` (``tta_training.train_curve``'s) on :data:`HOSTS` shaped hosts; rank 0's result."""
+    folder = tempfile.mkdtemp(prefix="ddphb-tta-")
+    spec_path, out_path = os.path.join(folder, "spec.json"), os.path.join(folder, "out.json")
+    with open(spec_path, "w") as f:
+        json.dump(dict(spec, timeout=timeout_s), f)
+    procs, logs = [], []
+    try:
+        with Cluster(HOSTS) as cluster:
+            cluster.set_rate(bandwidth)
+            for rank in range(HOSTS):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(HOSTS), MASTER_ADDR=cluster.address(0),
+                           MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS="1",
+                           MKL_NUM_THREADS="1",
+                           PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+                logs.append(os.path.join(folder, f"host{rank}.log"))
+                with open(logs[-1], "w") as log:
+                    procs.append(cluster.popen(rank, [sys.executable, os.path.join(HERE, "tta_training.py"),
+                                                      spec_path, out_path], env=env, stdout=log, stderr=log))
+            deadline = time.monotonic() + timeout_s
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    rank = failed[0] if failed else 0
+                    with open(logs[rank], errors="replace") as log:
+                        tail = "".join(log.readlines()[-30:])
+                    raise RuntimeError(f"wall-clock run at {bandwidth}: host {rank} "
+                                       f"{'failed' if failed else 'timed out'}; its log ends:\n{tail}")
+                time.sleep(0.2)
+        with open(out_path) as f:
+            result = json.load(f)
+        result["bandwidth"] = bandwidth
+        return result
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""What the time-to-accuracy benchmark trains and times: methods, their training settings, the density grid.
+
+Every method trains ``fmnist-cnn`` (``bench_models``) on Fashion-MNIST through
+the CIFAR recipe's ``comm_setup`` (the hooks, optimizers and byte counters the
+recipe uses) at its recommended settings: the sparsifiers with their default
+options (density warm-up included), PowerSGD as PyTorch ships it, Local
+AdaAlter with the recipe's defaults. Two optimizer families:
+
+* SGD: ``lr 0.05`` with cosine decay to 0 over the run, momentum 0.9, weight
+  decay 5e-4 (the Fashion-MNIST convergence benchmark's user code);
+* AdaGrad: ``lr 0.1, eps 1.0`` at a constant rate, no weight decay (the
+  Local AdaAlter benchmark's Fashion-MNIST settings, chosen there by a sweep).
+
+A sparsifier's step time depends on the density it sends at, and the default
+density warm-up sends more early on (``density ** (s / 1000)`` at step ``s``,
+from 1 down to the target over 1000 steps). The cluster therefore times each
+selector at every density of :data:`DENSITY_GRID` down to its target, and the
+report integrates the step time over the warm-up (``tta_report``).
+
+    >>> [m.label for m in curve_methods(quick=True)]
+    ['allreduce hook', 'random-block d=0.01']
+    >>> len(step_time_methods(curve_methods())), training_args(ADAGRAD_METHODS[0]).eps
+    (23, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import List
+
+from cluster_plan import ADAALTER, ALLREDUCE, FP16, NOOP, POWERSGD, SYNC_ADAGRAD, Method, Run, sparsifier
+
+__all__ = ["MODEL", "HOSTS", "BANDWIDTHS", "DENSITY_GRID", "SGD", "ADAGRAD", "ADAGRAD_METHODS", "curve_methods",
+           "step_time_methods", "step_time_plan", "training_args", "learning_rate", "method_key"]
+
+MODEL = "fmnist-cnn"
+HOSTS = 4
+BANDWIDTHS = ("1gbit", "100mbit")
+#: densities at which the cluster times each selector (down to the method's own density). The top is 0.99,
+#: not 1: at exactly 1 every unit is sent whole and in order, which took random-block about half the work of
+#: 0.9999 (fmnist-cnn, 2 ranks: 54 against 96 ms per step), while the warm-up is below 1 from its second step on.
+DENSITY_GRID = (0.99, 0.3, 0.1, 0.05, 0.01)
+SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "eps": None, "schedule": "cosine"}
+ADAGRAD = {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "eps": 1.0, "schedule": "constant"}
+ADAGRAD_METHODS = (SYNC_ADAGRAD, ADAALTER[4], ADAALTER[8])
+
+
+def _sparsifiers(density: float) -> List[Method]:
+    return [sparsifier("topk", density, "layer", "allgather"), sparsifier("randomk", density, "layer", "allreduce"),
+            sparsifier("random_block", density, "layer", "allreduce")]
+
+
+def _labelled(method: Method) -> Method:
+    """Sparsifiers carry their density in the label (one curve each)."""
+    return replace(method, label=f"{method.label} d={method.density:g}") if method.hook == "sparsify" else method
+
+
+def curve_methods(quick: bool = False) -> List[Method]:
+    """The methods trained to a curve (the noop hook trains nothing useful and is timed only)."""
+    if quick:
+        return [ALLREDUCE, _labelled(sparsifier("random_block", 0.01, "layer", "allreduce"))]
+    methods = [ALLREDUCE, FP16, POWERSGD[4], POWERSGD[1]]
+    methods += [_labelled(m) for d in (0.01, 0.05) for m in _sparsifiers(d)]
+    return methods + list(ADAGRAD_METHODS)
+
+
+def method_key(method: Method) -> str:
+    """What a method's step times are filed under: the selector (timed over the density grid), else the label."""
+    return f"sparsify {method.method} {method.aggregation}" if method.hook == "sparsify" else method.label
+
+
+def _as_trained(method: Method) -> Method:
+    """``method`` with its family's momentum and weight decay, which the sparsifier's work depends on."""
+    family = ADAGRAD if method.optimizer in ("adagrad", "local_adaalter") else SGD
+    return replace(method, momentum=family["momentum"], weight_decay=family["weight_decay"])
+
+
+def step_time_methods(curves: List[Method]) -> List[Method]:
+    """The cluster's rows: the noop hook (the ceiling), every non-sparsifier of ``curves``, and each selector of
+    ``curves`` at every density of the grid down to the lowest it is trained at (no density warm-up); each with
+    its family's momentum and weight decay (the noop hook: SGD's)."""
+    return [_as_trained(m) for m in _step_time_rows(curves)]
+
+
+def _step_time_rows(curves: List[Method]) -> List[Method]:
+    rows, lowest = [NOOP], {}
+    for m in curves:
+        if m.hook != "sparsify":
+            rows.append(m)
+        else:
+            key = (m.method, m.aggregation)
+            lowest[key] = min(lowest.get(key, 1.0), m.density)
+    for (name, aggregation), low in lowest.items():
+        rows += [sparsifier(name, d, "layer", aggregation) for d in DENSITY_GRID if d >= low - 1e-12]
+    return rows
+
+
+def step_time_plan(curves: List[Method], rounds: int = 1) -> List[Run]:
+    """The cluster plan: :data:`HOSTS` hosts, :data:`MODEL`, the rows of :func:`step_time_methods`, each round
+    measuring every row at 1 Gbit/s, then 100 Mbit/s."""
+    rows = step_time_methods(curves)
+    return [Run(HOSTS, MODEL, rows, BANDWIDTHS, round=k) for k in range(rounds)]
+
+
+def training_args(method: Method):
+    """The recipe's flags (``comm_setup``) for training ``method``: its family's settings, default options."""
+    family = ADAGRAD if method.optimizer in ("adagrad", "local_adaalter") else SGD
+    args = method.recipe_args()
+    args.lr, args.momentum, args.weight_decay = family["lr"], family["momentum"], family["weight_decay"]
+    args.eps = family["eps"]
+    args.density_warmup_steps = None  # the sparsifiers' default density warm-up (recipe_args turns it off)
+    return args
+
+
+def learning_rate(method: Method, step: int, total_steps: int) -> float:
+    """The learning rate of ``step`` of ``total_steps``: cosine decay to 0 for SGD, constant for AdaGrad."""
+    if method.optimizer in ("adagrad", "local_adaalter"):
+        return ADAGRAD["lr"]
+    return SGD["lr"] * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
