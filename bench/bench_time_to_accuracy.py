@@ -60,15 +60,17 @@ def run_curves(args, path: str) -> None:
     methods = curve_methods(args.quick)
     if args.only:
         methods = [m for m in methods if m.label in args.only]
-    with open(path, "w") as f:
-        f.write(json.dumps({"command": args.command, "train": args.train, "epochs": args.epochs,
-                            "eval_every": args.eval_every, "world": args.world}) + "\n")
+    if not (args.append and os.path.exists(path)):
+        with open(path, "w") as f:
+            f.write(json.dumps({"command": args.command, "train": args.train, "epochs": args.epochs,
+                                "eval_every": args.eval_every, "world": args.world}) + "\n")
     for method in methods:
         spec = {"method": method.as_dict(), "epochs": args.epochs, "train": args.train,
                 "eval_every": args.eval_every, "seed": args.seed, "data_dir": args.data_dir, "stop_at": None}
         start = time.perf_counter()
         result = run_distributed(train_curve, args.world, spec, timeout=3600)[0]
         result["wall_s"] = round(time.perf_counter() - start, 1)
+        result["command"] = args.command
         last = result["curve"][-1]
         print(f"{method.label:<24} {last['accuracy']:6.2f} % after {last['step']} steps, {result['wall_s']:.0f} s",
               flush=True)
@@ -148,7 +150,7 @@ def parse_args(argv=None):
                    help="wall-clock: the methods (labels of the curves) to train on the cluster")
     p.add_argument("--wall-bandwidths", nargs="+", default=list(BANDWIDTHS), choices=BANDWIDTHS,
                    help="wall-clock: the bandwidths (default both)")
-    p.add_argument("--append", action="store_true", help="wall-clock: add to the results file, not replace it")
+    p.add_argument("--append", action="store_true", help="curves, wall-clock: add to the results file, not replace it")
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default 0)")
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST folder (default: Debian's)")
     args = p.parse_args(argv)

@@ -47,6 +47,9 @@ class Method:
     # the optimizer's momentum and weight decay (the sparsifier's momentum path costs work of its own)
     momentum: float = 0.0
     weight_decay: float = 0.0
+    # sparsifiers, when trained (the time-to-accuracy curves): the density warm-up's steps, None for the default;
+    # step times are always taken at a constant density
+    density_warmup: Optional[int] = None
 
     @property
     def hook_warmup(self) -> int:

@@ -32,7 +32,7 @@ from typing import List
 from cluster_plan import ADAALTER, ALLREDUCE, FP16, NOOP, POWERSGD, SYNC_ADAGRAD, Method, Run, sparsifier
 
 __all__ = ["MODEL", "HOSTS", "BANDWIDTHS", "DENSITY_GRID", "SGD", "ADAGRAD", "ADAGRAD_METHODS", "curve_methods",
-           "step_time_methods", "step_time_plan", "training_args", "learning_rate", "method_key"]
+           "step_time_methods", "step_time_plan", "training_args", "learning_rate", "method_key", "warmup_variants"]
 
 MODEL = "fmnist-cnn"
 HOSTS = 4
@@ -56,13 +56,20 @@ def _labelled(method: Method) -> Method:
     return replace(method, label=f"{method.label} d={method.density:g}") if method.hook == "sparsify" else method
 
 
+def warmup_variants() -> List[Method]:
+    """Random-block d=0.01 with a shorter density warm-up than the default 1000 steps, and with none: what the
+    warm-up's time buys in accuracy."""
+    block = _labelled(sparsifier("random_block", 0.01, "layer", "allreduce"))
+    return [replace(block, label=f"{block.label} warm-up {steps}", density_warmup=steps) for steps in (250, 0)]
+
+
 def curve_methods(quick: bool = False) -> List[Method]:
     """The methods trained to a curve (the noop hook trains nothing useful and is timed only)."""
     if quick:
         return [ALLREDUCE, _labelled(sparsifier("random_block", 0.01, "layer", "allreduce"))]
     methods = [ALLREDUCE, FP16, POWERSGD[4], POWERSGD[1]]
     methods += [_labelled(m) for d in (0.01, 0.05) for m in _sparsifiers(d)]
-    return methods + list(ADAGRAD_METHODS)
+    return methods + list(ADAGRAD_METHODS) + warmup_variants()
 
 
 def method_key(method: Method) -> str:
@@ -109,7 +116,7 @@ def training_args(method: Method):
     args = method.recipe_args()
     args.lr, args.momentum, args.weight_decay = family["lr"], family["momentum"], family["weight_decay"]
     args.eps = family["eps"]
-    args.density_warmup_steps = None  # the sparsifiers' default density warm-up (recipe_args turns it off)
+    args.density_warmup_steps = method.density_warmup  # None: the default (recipe_args turns it off)
     return args
 
 

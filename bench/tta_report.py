@@ -72,8 +72,8 @@ class StepTimes:
         if not rows:
             return None
         if method.hook == "sparsify":
-            options = SparsifyOptions(method=method.method, density=method.density,  # the default warm-up
-                                      aggregation=method.aggregation)
+            options = SparsifyOptions(method=method.method, density=method.density, aggregation=method.aggregation,
+                                      density_warmup_steps=method.density_warmup)  # None: the default
             points = [(r["density"], r["s_per_step"]) for r in rows if r["density"] >= method.density - 1e-12]
             return sum(interpolate(points, options.density_at(s)) for s in range(steps))
         dense = method.hook_warmup if method.hook in ("powersgd", "local_sgd") else 0
@@ -148,7 +148,7 @@ def _warmup_lines(results, times: StepTimes, bandwidth: str) -> List[str]:
     for r in results:
         method = Method(**r["method"])
         rec = times.record(bandwidth, method)
-        if method.hook != "sparsify" or rec is None:
+        if method.hook != "sparsify" or rec is None or method.density_warmup is not None:
             continue
         steps = SparsifyOptions(method=method.method, density=method.density,
                                 aggregation=method.aggregation).density_warmup_steps

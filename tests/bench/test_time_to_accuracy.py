@@ -93,6 +93,22 @@ def test_time_to_a_step_integrates_the_density_warmup_and_counts_dense_warmups()
     assert times.noop("1gbit") == 0.1
 
 
+def test_warmup_variants_train_and_are_timed_with_their_own_density_warmup():
+    short, none = tta_plan.warmup_variants()
+    assert (short.label, none.label) == ("random-block d=0.01 warm-up 250", "random-block d=0.01 warm-up 0")
+    assert short in tta_plan.curve_methods() and none in tta_plan.curve_methods()
+    assert tta_plan.training_args(short).density_warmup_steps == 250
+    assert tta_plan.training_args(none).density_warmup_steps == 0
+    assert short.recipe_args().density_warmup_steps == 0  # the cluster times a constant density
+    times = _step_times()
+    assert times.seconds("1gbit", none, 300) == pytest.approx(300 * 0.15)
+    expected = sum(tta_report.interpolate([(1.0, 0.6), (0.1, 0.3), (0.01, 0.15)], 0.01 ** (s / 250))
+                   for s in range(250))
+    assert times.seconds("1gbit", short, 300) == pytest.approx(expected + 50 * 0.15)
+    # the variants add curves, not cluster rows
+    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 23
+
+
 def _curve(label, method, accuracies, step=100):
     return {"label": label, "method": method.as_dict(), "steps_per_epoch": 200, "epochs": 2, "train": 1, "world": 4,
             "seed": 0, "curve": [{"step": step * (i + 1), "epoch": step * (i + 1) / 200, "accuracy": a,
