@@ -34,7 +34,12 @@ def _resume(rank, world_size, name):
     opt.load_state_dict(saved["optimizer"])
     train(model, opt, SAVED_AT, RESUMED_FOR, rank)
     assert state.step == SAVED_AT + RESUMED_FOR
-    assert torch.equal(flat(model.module.parameters()), saved["after"]), f"{name}: rank {rank} did not resume bitwise"
+    after = flat(model.module.parameters())
+    diff = (after - saved["after"]).abs().max().item()
+    # Bitwise on the CPU that wrote the fixtures; on another, float kernels may round the last bit differently
+    # (7e-9 measured on a later machine). A wrong position, residual or velocity moves a weight by about
+    # lr * gradient, 1e-3 or more, far above this bound.
+    assert diff <= 1e-7, f"{name}: rank {rank} did not resume as the old code ran on (max diff {diff:.3g})"
     dist.barrier()
 
 
