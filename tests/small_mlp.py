@@ -1,4 +1,5 @@
-"""The small MLP, its batches, a flattener and every sparsifier combination, shared by the tests (imported by
+"""The small MLP, its batches, a flattener, the hook's remembered update laid out densely and every sparsifier
+combination, shared by the tests (imported by
 module name: tests/conftest.py puts tests/ on sys.path)."""
 
 import torch
@@ -17,6 +18,19 @@ def batch(rank, step):
 
 def flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def last_update_dense(state, model):
+    """The sparsify hook's remembered u_t, laid out like the model's parameters (one bucket: these models are
+    small)."""
+    saved = state.state_dict()["last_updates"]
+    parts = []
+    for key, p in enumerate(model.parameters()):
+        dense = torch.zeros(p.numel())
+        if key in saved["positions"]:
+            dense[saved["positions"][key]] = saved["values"][key]
+        parts.append(dense)
+    return torch.cat(parts)
 
 
 #: Every (method, scope, aggregation) the sparsifier serves.

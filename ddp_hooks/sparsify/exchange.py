@@ -29,7 +29,7 @@ from .error_feedback import ResidualChange, VelocityChange, carried, compensated
 from .nonfinite import fill_if, holds_nonfinite
 from .selectors import SelectionRequest, Unit
 
-__all__ = ["Piece", "Flight", "Result", "launch"]
+__all__ = ["Piece", "Flight", "Result", "launch", "gather_outweighs_allreduce"]
 
 # What an exchange yields once it has finished: whether any rank sent a
 # non-finite value, and how to write the average into an all-zero target
@@ -65,6 +65,31 @@ class Flight:
     outputs: Optional[List[torch.Tensor]] = None  # global scope: the bucket buffers that receive grad's chunks
 
 
+def gather_outweighs_allreduce(density: float, world_size: int, value_bytes: int, index_bytes: int) -> bool:
+    r"""True when an AllGather of this density's entries moves at least the bytes of an AllReduce of all of them.
+
+    In a ring AllGather each rank passes on the other ranks' entries,
+    ``(w - 1) k (v + i)`` bytes for ``k = density * n`` entries of ``v``
+    bytes with ``i`` bytes of position each (0 where positions are
+    recomputed); a ring AllReduce of all ``n`` entries passes
+    ``2 (w - 1) / w * n v``. So the gather costs more from
+    ``density >= 2 v / (w (v + i))``: from 1/4 for top-k (float32 values,
+    int32 positions) at 4 ranks, from 1/8 at 8. Such a step (early in the
+    density warm-up) sends every entry of the compensated gradient by
+    AllReduce instead: more than it would have selected, so error feedback
+    has nothing left over, for fewer bytes on the wire and no selection.
+    At ``density=1`` the AllReduce is taken at any world size.
+
+    Example::
+
+        >>> gather_outweighs_allreduce(0.3, 4, 4, 4), gather_outweighs_allreduce(0.2, 4, 4, 4)
+        (True, False)
+        >>> gather_outweighs_allreduce(0.3, 4, 4, 0), gather_outweighs_allreduce(0.5, 4, 4, 0)
+        (False, True)
+    """
+    return density >= 1.0 or world_size * density * (value_bytes + index_bytes) >= 2 * value_bytes
+
+
 def _owner(starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The parameter (index into ``starts``) of each position."""
     return torch.searchsorted(starts, positions, right=True) - 1
@@ -76,12 +101,18 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
     ``state`` is the bound :class:`~ddp_hooks.SparsifyState`; ``density`` this
     step's (:meth:`~ddp_hooks.SparsifyState.density_at`); ``everything``:
     send every position (a warm-up step with momentum or weight decay in
-    the hook).
+    the hook). Under AllGather every position is also sent, by AllReduce,
+    where the gather would move more bytes
+    (:func:`gather_outweighs_allreduce`).
     """
     grad, residual, velocity, decay = piece.grad, piece.residual, piece.velocity, piece.decay
     group, rank, world = state.binding
     selector, scale = state.selector, state.run.scale
-    shared = everything or state.options.aggregation == "allreduce"
+    index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
+    gathers = state.options.aggregation == "allgather"
+    everything = everything or (gathers and gather_outweighs_allreduce(
+        density, world, grad.element_size(), index_dtype.itemsize if selector.positions_travel else 0))
+    shared = everything or not gathers
     request = SelectionRequest(units=piece.units, density=density, seed=state.options.seed, step=step,
                                rank=SHARED if shared else rank, device=grad.device, group=group, world_size=world)
     if everything:
@@ -141,7 +172,6 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
         state.counters.add(k, sent_bytes, *dense)
         flight.future = allreduce_sum(wire, group, world).then(lambda f: _shared_result(positions, f.value()))
         return flight
-    index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
     if selector.positions_travel:
         payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
         sent_bytes += k * index_dtype.itemsize

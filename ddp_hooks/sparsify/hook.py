@@ -47,7 +47,11 @@ Warm-up: plain allreduce for the first ``warmup_steps`` steps; with momentum
 or weight decay in the hook the optimizer has neither, so warm-up steps send
 every position through the same path (the velocity steps everywhere). Then
 the density falls from 1 to ``density`` over ``density_warmup_steps``
-(:meth:`SparsifyState.density_at`; by default over 1000 steps).
+(:meth:`SparsifyState.density_at`; by default over 1000 steps). Under
+AllGather, a step whose gather would move more bytes than an AllReduce of
+every entry (top-k at 4 ranks: density 1/4 and above) sends every entry of
+``p`` by AllReduce instead
+(:func:`~ddp_hooks.sparsify.exchange.gather_outweighs_allreduce`).
 
 The optimizer's momentum (``optimizer_momentum="sends"``, the default with
 error feedback): the velocity of step 2 runs with each parameter's momentum

@@ -6,24 +6,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, check_optimizer, sparsify_hook
 from ddp_hooks.testing import run_distributed
-from small_mlp import batch, flat, small_mlp
+from small_mlp import batch, flat, last_update_dense, small_mlp
 
 M = 0.9
 OPTIONS = dict(method="random_block", density=0.1, block_size=4, density_warmup_steps=0)
 
 _model, _batch, _flat = small_mlp, batch, flat
-
-
-def _last_update_dense(state, model):
-    """The hook's remembered u_t, laid out like the model's parameters (one bucket: these models are small)."""
-    sd = state.state_dict()["last_updates"]
-    parts = []
-    for key, p in enumerate(model.parameters()):
-        dense = torch.zeros(p.numel())
-        if key in sd["positions"]:
-            dense[sd["positions"][key]] = sd["values"][key]
-        parts.append(dense)
-    return torch.cat(parts)
 
 
 def _buffer_holds_the_sent_velocity(rank, world, scope, aggregation, groups):
@@ -42,7 +30,7 @@ def _buffer_holds_the_sent_velocity(rank, world, scope, aggregation, groups):
         model(_batch(rank, step)).pow(2).mean().backward()
         opt.step()
         buf = _flat(opt.state[p]["momentum_buffer"] for p in params)
-        u = _last_update_dense(state, model.module)
+        u = last_update_dense(state, model.module)
         worst = max(worst, float((buf - u).abs().max() / u.abs().max()))
         sparse = float((u != 0).float().mean())
     return worst, sparse
@@ -144,7 +132,7 @@ def _nonfinite_step(rank, world):
         if grads_finite:  # what GradScaler does: skip the step
             opt.step()
     buf = _flat(opt.state[p]["momentum_buffer"] for p in model.parameters())
-    u = _last_update_dense(state, model.module)
+    u = last_update_dense(state, model.module)
     return float((buf - u).abs().max() / u.abs().max()), state.stats()["nonfinite_steps"]
 
 
@@ -166,7 +154,7 @@ def _no_sync(rank, world, static_graph):
         model(_batch(rank, step)).pow(2).mean().backward()
         opt.step()
     buf = _flat(opt.state[p]["momentum_buffer"] for p in model.parameters())
-    u = _last_update_dense(state, model.module)
+    u = last_update_dense(state, model.module)
     return float((buf - u).abs().max() / u.abs().max()), state.step
 
 

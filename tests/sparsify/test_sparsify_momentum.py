@@ -217,7 +217,7 @@ def _mass(rank, world, steps=12, warmup=2):
     out = []
     for method, scope, aggregation in COMBOS:
         state = SparsifyState(method=method, density=0.05, scope=scope, aggregation=aggregation, momentum=M,
-                              weight_decay=WD, warmup_steps=warmup)
+                              weight_decay=WD, warmup_steps=warmup, density_warmup_steps=0)
         model = DDP(_model(), bucket_cap_mb=0.002)  # several buckets, rebuilt after the first step
         rec = {"state": state, "g": {}}
         model.register_comm_hook(rec, _recording_hook)
