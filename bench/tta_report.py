@@ -5,7 +5,9 @@ over steps ``0 .. S-1``, each step time measured on the simulated cluster at
 that bandwidth: constant for most methods; the allreduce hook's for the dense
 warm-up steps of PowerSGD and Local AdaAlter; for a sparsifier, its step time
 at the density it sends at step ``s`` (the density warm-up), interpolated
-linearly between the densities of the grid the cluster timed it at.
+linearly between the densities of the grid the cluster timed it at, each
+side of the density where an AllGather selector turns to sending everything
+by AllReduce apart (the hook's two paths cost differently).
 
     >>> interpolate([(1.0, 2.0), (0.1, 0.5), (0.01, 0.2)], 0.055)
     0.35
@@ -20,12 +22,13 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ddp_hooks.sparsify import SparsifyOptions
+from ddp_hooks.sparsify.exchange import gather_outweighs_allreduce
 
 from bench_cluster import merge_rounds, read_results
 from cluster_plan import NOOP, Method
-from tta_plan import ADAGRAD_METHODS, BANDWIDTHS, method_key
+from tta_plan import ADAGRAD_METHODS, BANDWIDTHS, HOSTS, method_key
 
-__all__ = ["interpolate", "first_reaching", "StepTimes", "read_curves", "target_of", "report", "plot"]
+__all__ = ["interpolate", "first_reaching", "StepTimes", "sparsify_options", "read_curves", "target_of", "report", "plot"]
 
 TARGET_GAP = 1.0  # points below dense's final accuracy
 
@@ -72,16 +75,31 @@ class StepTimes:
         if not rows:
             return None
         if method.hook == "sparsify":
-            options = SparsifyOptions(method=method.method, density=method.density, aggregation=method.aggregation,
-                                      density_warmup_steps=method.density_warmup)  # None: the default
+            options = sparsify_options(method)
             points = [(r["density"], r["s_per_step"]) for r in rows if r["density"] >= method.density - 1e-12]
-            return sum(interpolate(points, options.density_at(s)) for s in range(steps))
+
+            def sends_all(density):  # the hook's path at this density (float32 gradients, HOSTS ranks)
+                index_bytes = 4 if options.selector.positions_travel else 0
+                return options.aggregation == "allgather" and gather_outweighs_allreduce(density, HOSTS, 4,
+                                                                                        index_bytes)
+
+            def at(density):
+                same_path = [p for p in points if sends_all(p[0]) == sends_all(density)]
+                return interpolate(same_path or points, density)
+
+            return sum(at(options.density_at(s)) for s in range(steps))
         dense = method.hook_warmup if method.hook in ("powersgd", "local_sgd") else 0
         allreduce = self.rows.get((bandwidth, "allreduce hook"))
         if dense and not allreduce:
             return None
         dense_s = allreduce[0]["s_per_step"] if dense else 0.0
         return min(dense, steps) * dense_s + max(steps - dense, 0) * rows[0]["s_per_step"]
+
+
+def sparsify_options(method: Method) -> SparsifyOptions:
+    """The hook options a sparsifier of the plan trains with (its density warm-up: None, the default)."""
+    return SparsifyOptions(method=method.method, density=method.density, aggregation=method.aggregation,
+                           density_warmup_steps=method.density_warmup)
 
 
 def _method_fields(record: dict) -> dict:
@@ -150,8 +168,7 @@ def _warmup_lines(results, times: StepTimes, bandwidth: str) -> List[str]:
         rec = times.record(bandwidth, method)
         if method.hook != "sparsify" or rec is None or method.density_warmup is not None:
             continue
-        steps = SparsifyOptions(method=method.method, density=method.density,
-                                aggregation=method.aggregation).density_warmup_steps
+        steps = sparsify_options(method).density_warmup_steps
         warm = times.seconds(bandwidth, method, steps)
         lines.append(f"{r['label']} {warm:.0f} s (at its own density: {steps * rec['s_per_step']:.0f} s)")
     if not lines:

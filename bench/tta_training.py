@@ -4,10 +4,10 @@ Each rank trains ``fmnist-cnn`` on its contiguous shard of the first
 ``train`` training images (reshuffled every epoch), 32 images per step, with
 the method's hook and optimizer from the recipe's ``comm_setup``
 (``tta_plan.training_args``), and every ``eval_every`` steps evaluates on all
-10,000 test images, off the clock: the ranks meet at a barrier, rank 0
-evaluates (for Local AdaAlter the average of the ranks' parameters, the
-model the next averaging would make), and the clock restarts after a second
-barrier. ``train_s`` is therefore the training time of the slowest rank up to
+10,000 test images, off the clock: the ranks meet at a barrier, each
+classifies its share of the test images (for Local AdaAlter with the
+average of the ranks' parameters, the model the next averaging would make),
+the counts are summed, and the clock restarts after a second barrier. ``train_s`` is therefore the training time of the slowest rank up to
 each evaluation, evaluations excluded.
 
 Runs two ways: :func:`train_curve` under ``ddp_hooks.testing.run_distributed``
@@ -46,7 +46,7 @@ from comm_setup import build_exchange, build_optimizer  # noqa: E402
 from fashion_mnist_data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, find_fashion_mnist, read_fashion_mnist  # noqa: E402
 from tta_plan import learning_rate, training_args  # noqa: E402
 
-__all__ = ["BATCH", "train_curve", "steps_per_epoch"]
+__all__ = ["BATCH", "train_curve", "steps_per_epoch", "sharded_accuracy"]
 
 BATCH = 32  # images per rank and step
 
@@ -64,10 +64,15 @@ def _load(data_dir: Optional[str], train: int):
     return scale(train_x[:train]), train_y[:train], scale(test_x), test_y
 
 
-def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def sharded_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> float:
+    """Test accuracy in percent, every rank classifying its contiguous share of the images (all ranks call it)."""
+    share = -(-len(y) // world)
+    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
     with torch.no_grad():
         correct = sum(int((model(x[i:i + 2000]).argmax(1) == y[i:i + 2000]).sum()) for i in range(0, len(y), 2000))
-    return 100.0 * correct / len(y)
+    total = torch.tensor([correct, len(y)], dtype=torch.int64)
+    dist.all_reduce(total)
+    return 100.0 * int(total[0]) / int(total[1])
 
 
 def _model_to_evaluate(ddp: DistributedDataParallel, method: Method, world: int) -> torch.nn.Module:
@@ -128,9 +133,8 @@ def train_curve(rank: int, world: int, spec: dict) -> dict:
             continue
         dist.barrier()  # every rank has finished this step: the clock stops for the slowest
         train_s += time.perf_counter() - resumed
-        model = _model_to_evaluate(ddp, method, world)
+        accuracy = sharded_accuracy(_model_to_evaluate(ddp, method, world), x_test, y_test, rank, world)
         if rank == 0:
-            accuracy = _accuracy(model, x_test, y_test)
             curve.append({"step": step + 1, "epoch": round((step + 1) / per_epoch, 4), "accuracy": accuracy,
                           "train_s": round(train_s, 3), "payload_bytes": exchange.bytes_sent,
                           "loss": sum(losses) / len(losses)})

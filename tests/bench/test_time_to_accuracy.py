@@ -32,7 +32,7 @@ def test_step_time_rows_cover_each_selector_down_to_its_lowest_density():
     rows = tta_plan.step_time_methods(tta_plan.curve_methods())
     assert rows[0].label == NOOP.label and len(set(rows)) == len(rows)
     for name in ("topk", "randomk", "random_block"):
-        assert sorted(r.density for r in rows if r.method == name) == [0.01, 0.05, 0.1, 0.3, 0.99]
+        assert sorted(r.density for r in rows if r.method == name) == [0.01, 0.05, 0.1, 0.2, 0.3, 0.99]
     assert not any(r.hook == "sparsify" and r.label.endswith("d=0.01") for r in rows)  # grid rows: plain labels
     quick = tta_plan.step_time_methods(tta_plan.curve_methods(quick=True))
     assert [r.label for r in quick][:2] == ["noop hook (no exchange)", "allreduce hook"]
@@ -93,6 +93,19 @@ def test_time_to_a_step_integrates_the_density_warmup_and_counts_dense_warmups()
     assert times.noop("1gbit") == 0.1
 
 
+def test_top_k_warmup_interpolates_each_side_of_its_turn_to_allreduce_apart():
+    # at 4 hosts top-k under AllGather sends everything by AllReduce from density 1/4 (timed at 0.99 and 0.3),
+    # and gathers below (timed at 0.2 and 0.01): a density of 0.25 costs the AllReduce path's 0.4 s, one of
+    # 0.24 the gather's 0.9 s (held from 0.2), not a blend of the two
+    topk = sparsifier("topk", 0.01, "layer", "allgather")
+    times = tta_report.StepTimes([_record(sparsifier("topk", d, "layer", "allgather"), "1gbit", t)
+                                  for d, t in ((0.99, 0.4), (0.3, 0.4), (0.2, 0.9), (0.01, 0.1))])
+    densities = [tta_report.sparsify_options(topk).density_at(s) for s in range(1000)]
+    expected = sum(0.4 if d >= 0.25 else tta_report.interpolate([(0.2, 0.9), (0.01, 0.1)], d) for d in densities)
+    assert times.seconds("1gbit", topk, 1000) == pytest.approx(expected)
+    assert sum(d >= 0.25 for d in densities) == 302  # the first 302 steps
+
+
 def test_warmup_variants_train_and_are_timed_with_their_own_density_warmup():
     short, none = tta_plan.warmup_variants()
     assert (short.label, none.label) == ("random-block d=0.01 warm-up 250", "random-block d=0.01 warm-up 0")
@@ -106,7 +119,7 @@ def test_warmup_variants_train_and_are_timed_with_their_own_density_warmup():
                    for s in range(250))
     assert times.seconds("1gbit", short, 300) == pytest.approx(expected + 50 * 0.15)
     # the variants add curves, not cluster rows
-    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 23
+    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 26
 
 
 def _curve(label, method, accuracies, step=100):
@@ -174,6 +187,27 @@ def test_training_evaluates_on_schedule_counts_bytes_and_stops_at_the_target(tmp
     first = next(i for i, p in enumerate(full["curve"]) if p["accuracy"] >= full["curve"][1]["accuracy"])
     assert len(stopped["curve"]) == first + 1  # the same trajectory, cut at the first evaluation that reaches it
     assert [p["accuracy"] for p in stopped["curve"]] == [p["accuracy"] for p in full["curve"][:first + 1]]
+
+
+def _sharded_and_whole(rank, world):
+    import torch
+
+    import tta_training
+
+    torch.manual_seed(0)
+    model = bench_models.fmnist_cnn()
+    x = torch.randn(23, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (23,), generator=torch.Generator().manual_seed(2))
+    whole = 100.0 * int((model(x).argmax(1) == y).sum()) / len(y)
+    return tta_training.sharded_accuracy(model, x, y, rank, world), whole
+
+
+def test_each_rank_classifies_its_share_and_the_counts_add_up_to_the_whole_test_set():
+    from ddp_hooks.testing import run_distributed
+
+    results = run_distributed(_sharded_and_whole, 3, timeout=120)  # 23 images: shares of 8, 8 and 7
+    assert all(sharded == results[0][1] for sharded, _ in results)
+    assert 0 < results[0][1] < 100
 
 
 # ----- the language model part: Local AdaAlter against sync AdaGrad to a perplexity -----
