@@ -17,17 +17,17 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from typing import List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 
-from bench_cluster import PORT, format_report, read_results, run_host_count  # noqa: E402
-from cluster import IFNAME, Cluster  # noqa: E402
+from bench_cluster import PORT, run_host_count  # noqa: E402
+from cluster import Cluster  # noqa: E402
+from cluster_hosts import log_tail, start_hosts  # noqa: E402
 from cluster_plan import Run  # noqa: E402
+from cluster_report import format_report, read_results  # noqa: E402
 from tta_plan import HOSTS  # noqa: E402
 from tta_training import BATCH  # noqa: E402
 
@@ -56,28 +56,17 @@ def run_wall_clock(spec: dict, bandwidth: str, timeout_s: float = 1800.0) -> dic
     spec_path, out_path = os.path.join(folder, "spec.json"), os.path.join(folder, "out.json")
     with open(spec_path, "w") as f:
         json.dump(dict(spec, timeout=timeout_s), f)
-    procs, logs = [], []
     try:
         with Cluster(HOSTS) as cluster:
             cluster.set_rate(bandwidth)
-            for rank in range(HOSTS):
-                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(HOSTS), MASTER_ADDR=cluster.address(0),
-                           MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=IFNAME, OMP_NUM_THREADS="1",
-                           MKL_NUM_THREADS="1",
-                           PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-                logs.append(os.path.join(folder, f"host{rank}.log"))
-                with open(logs[-1], "w") as log:
-                    procs.append(cluster.popen(rank, [sys.executable, os.path.join(HERE, "tta_training.py"),
-                                                      spec_path, out_path], env=env, stdout=log, stderr=log))
+            processes = start_hosts(cluster, HOSTS, [os.path.join(HERE, "tta_training.py"), spec_path, out_path],
+                                    PORT, folder)
             deadline = time.monotonic() + timeout_s
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    rank = failed[0] if failed else 0
-                    with open(logs[rank], errors="replace") as log:
-                        tail = "".join(log.readlines()[-30:])
-                    raise RuntimeError(f"wall-clock run at {bandwidth}: host {rank} "
-                                       f"{'failed' if failed else 'timed out'}; its log ends:\n{tail}")
+            while not processes.all_done():
+                processes.check(f"wall-clock run at {bandwidth}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"wall-clock run at {bandwidth}: timed out after {timeout_s:.0f} s; host 0's "
+                                       f"log ends:\n{log_tail(processes.logs[0])}")
                 time.sleep(0.2)
         with open(out_path) as f:
             result = json.load(f)

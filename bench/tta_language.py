@@ -28,7 +28,7 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
-from bench_cluster import merge_rounds, read_results
+from cluster_report import merge_rounds, read_results
 from cluster_plan import ADAALTER, NOOP, SYNC_ADAGRAD, Method, Run
 from tta_plan import BANDWIDTHS, HOSTS
 

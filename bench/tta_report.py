@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ddp_hooks.sparsify import SparsifyOptions
 from ddp_hooks.sparsify.exchange import gather_outweighs_allreduce
 
-from bench_cluster import merge_rounds, read_results
+from cluster_report import merge_rounds, read_results
 from cluster_plan import NOOP, Method
 from tta_plan import ADAGRAD_METHODS, BANDWIDTHS, HOSTS, method_key
 

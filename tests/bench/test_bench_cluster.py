@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_cluster  # noqa: E402
 import cluster  # noqa: E402
 import cluster_control  # noqa: E402
+import cluster_hosts  # noqa: E402
 import cluster_plan  # noqa: E402
+import cluster_report  # noqa: E402
 from cluster import Cluster, ClusterError  # noqa: E402
 
 
@@ -314,14 +316,14 @@ def test_tables_compare_with_the_allreduce_row_of_the_same_cluster():
         _record("allreduce hook", "allreduce", 1.3, bandwidth="1gbit"),
         _record("random-block", "sparsify", 1.0, bandwidth="1gbit", **block),
     ]
-    groups = bench_cluster.group_records(records)
+    groups = cluster_report.group_records(records)
     assert list(groups) == [("resnet18", 4, "100mbit"), ("resnet18", 4, "1gbit")]
-    table = bench_cluster.format_table(groups[("resnet18", 4, "100mbit")])
+    table = cluster_report.format_table(groups[("resnet18", 4, "100mbit")])
     assert "| random-block | 0.01, layer, allreduce | 1.000 | 6.00x |" in table
     assert "| sync AdaGrad |  | 3.000 | 2.00x |" in table  # against the allreduce hook, not itself
     again = _record("allreduce hook, again", "allreduce", 4.0)
-    assert bench_cluster.baseline(groups[("resnet18", 4, "100mbit")] + [again]) == 5.0  # the mean of both
-    targets = bench_cluster.format_targets(records)
+    assert cluster_report.baseline(groups[("resnet18", 4, "100mbit")] + [again]) == 5.0  # the mean of both
+    targets = cluster_report.format_targets(records)
     assert "100mbit: random-block d=0.01 layer allreduce: 6.00x faster than the allreduce hook (target 5.00x: met)" \
         in targets
     assert "vs PowerSGD rank 4: 1.50x its speed (met)" in targets
@@ -336,18 +338,18 @@ def test_the_noop_hook_is_the_ceiling_of_every_row_and_of_issue_21s_targets():
                _record("allreduce hook", "allreduce", 1.3, bandwidth="1gbit"),
                _record("random-block", "sparsify", 1.2, bandwidth="1gbit", **block),
                _record("noop hook (no exchange)", "noop", 1.0, bandwidth="1gbit")]
-    groups = bench_cluster.group_records(records)
-    table = bench_cluster.format_table(groups[("resnet18", 4, "100mbit")])
+    groups = cluster_report.group_records(records)
+    table = cluster_report.format_table(groups[("resnet18", 4, "100mbit")])
     assert "| speed-up | x noop |" in table
     assert "| random-block | 0.01, layer, allreduce | 1.040 | 5.77x | 1.04x |" in table
-    targets = bench_cluster.format_targets(records)
+    targets = cluster_report.format_targets(records)
     assert "100mbit: random-block d=0.01 layer allreduce: 1.040 s/step, 1.04x the noop hook's 1.000 (target 1.05x: " \
            "met)" in targets
     assert "1gbit: random-block d=0.01 layer allreduce: 1.200 s/step, 1.20x the noop hook's 1.000 (target 1.10x: " \
            "MISSED)" in targets
-    without = bench_cluster.format_table(groups[("resnet18", 4, "100mbit")][:2])
+    without = cluster_report.format_table(groups[("resnet18", 4, "100mbit")][:2])
     assert "x noop" not in without  # a run without the noop row has no such column
-    assert "no noop row" in bench_cluster.format_targets(records[:2])
+    assert "no noop row" in cluster_report.format_targets(records[:2])
 
 
 def test_summary_and_report_from_a_results_file(tmp_path, capsys):
@@ -357,14 +359,14 @@ def test_summary_and_report_from_a_results_file(tmp_path, capsys):
     topk = dict(method="topk", density=0.1, scope="global", aggregation="allgather")
     records = [_record("allreduce hook", "allreduce", 3.0), _record("random-block", "sparsify", 2.0, **block),
                _record("top-k", "sparsify", 1.0, **topk), _record("allreduce hook, again", "allreduce", 5.0)]
-    summary = bench_cluster.format_summary(records)
+    summary = cluster_report.format_summary(records)
     assert summary.splitlines()[2] == ("| resnet18 | 4 | 100mbit | 4.000 (3.00, 5.00) |  |  |  |  |  |  | 2.00x |  |  |  |  "
                                        "| 4.00x top-k d=0.1 global allgather |")
     path = tmp_path / "r.jsonl"
     run = {"command": "python bench/bench_cluster.py", "wall_s": 12.0, "batch": 4, "image_size": 32, "steps": 3,
            "min_window_s": 0.5}
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + json.dumps({"run": run}) + "\n")
-    assert bench_cluster.read_results(str(path)) == (records, run)
+    assert cluster_report.read_results(str(path)) == (records, run)
     bench_cluster.main(bench_cluster.parse_args(["--report", str(path)]))  # no root needed
     out = capsys.readouterr().out
     assert out.startswith("Command: `python bench/bench_cluster.py`; 4 results in 12 s; batch 4 images of 32x32")
@@ -376,10 +378,32 @@ def test_rounds_repeat_the_plan_and_merge_to_medians():
     assert [(r.round, r.model) for r in runs][:3] == [(0, "resnet18"), (0, "resnet20"), (1, "resnet18")]
     rows = [_record("allreduce hook", "allreduce", s, round=k) for k, s in enumerate((3.0, 9.0, 4.0))]
     rows.append(_record("allreduce hook", "allreduce", 1.0, bandwidth="1gbit"))
-    merged = bench_cluster.merge_rounds(rows)
+    merged = cluster_report.merge_rounds(rows)
     assert [(m["bandwidth"], m["s_per_step"], m["rounds"]) for m in merged] == [("100mbit", 4.0, 3), ("1gbit", 1.0, 1)]
     assert merged[0]["s_per_step_rounds"] == [3.0, 9.0, 4.0]
-    assert "| allreduce hook |  | 4.000 (3.00-9.00) | 1.00x |" in bench_cluster.format_table(merged[:1])
+    assert "| allreduce hook |  | 4.000 (3.00-9.00) | 1.00x |" in cluster_report.format_table(merged[:1])
+
+
+@pytest.mark.parametrize("module", [cluster_hosts, cluster_report], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    import doctest
+
+    assert doctest.testmod(module).failed == 0
+
+
+def test_a_failed_host_is_reported_with_the_end_of_its_log(tmp_path):
+    logs = [str(tmp_path / f"host{rank}.log") for rank in range(2)]
+    procs = []
+    for rank, code in enumerate(("print('fine')", "import sys; print('line 1'); print('boom'); sys.exit(3)")):
+        with open(logs[rank], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=log))
+    hosts = cluster_hosts.Hosts(procs, logs)
+    for p in procs:
+        p.wait(30)
+    assert not hosts.all_done()
+    with pytest.raises(RuntimeError, match=r"(?s)a test run: host 1 of 2 exited with code 3; .*line 1\nboom"):
+        hosts.check("a test run")
+    assert cluster_hosts.log_tail(str(tmp_path / "missing.log")) == "(no log)"
 
 
 def test_combine_averages_ranks_per_step():
