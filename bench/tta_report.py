@@ -22,7 +22,7 @@ import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ddp_hooks.sparsify import SparsifyOptions
-from ddp_hooks.sparsify.exchange import gather_outweighs_allreduce
+from ddp_hooks.sparsify.exchange import sends_everything
 
 from cluster_report import merge_rounds, read_results
 from cluster_plan import NOOP, Method
@@ -79,15 +79,10 @@ class StepTimes:
             points = [(r["density"], r["s_per_step"]) for r in rows if r["density"] >= method.density - 1e-12]
 
             def sends_all(density):  # the hook's path at this density (float32 gradients, HOSTS ranks)
-                index_bytes = 4 if options.selector.positions_travel else 0
-                return options.aggregation == "allgather" and gather_outweighs_allreduce(density, HOSTS, 4,
-                                                                                        index_bytes)
+                return sends_everything(options, density, HOSTS, 4, rows[0]["params"])
 
-            def at(density):
-                same_path = [p for p in points if sends_all(p[0]) == sends_all(density)]
-                return interpolate(same_path or points, density)
-
-            return sum(at(options.density_at(s)) for s in range(steps))
+            by_path = {path: [p for p in points if sends_all(p[0]) == path] or points for path in (False, True)}
+            return sum(interpolate(by_path[sends_all(d)], d) for d in map(options.density_at, range(steps)))
         dense = method.hook_warmup if method.hook in ("powersgd", "local_sgd") else 0
         allreduce = self.rows.get((bandwidth, "allreduce hook"))
         if dense and not allreduce:

@@ -7,8 +7,9 @@ the method's hook and optimizer from the recipe's ``comm_setup``
 10,000 test images, off the clock: the ranks meet at a barrier, each
 classifies its share of the test images (for Local AdaAlter with the
 average of the ranks' parameters, the model the next averaging would make),
-the counts are summed, and the clock restarts after a second barrier. ``train_s`` is therefore the training time of the slowest rank up to
-each evaluation, evaluations excluded.
+the counts are summed, and the clock restarts after a second barrier.
+``train_s`` is therefore the training time of the slowest rank up to each
+evaluation, evaluations excluded.
 
 Runs two ways: :func:`train_curve` under ``ddp_hooks.testing.run_distributed``
 on loopback (the curves), or as ``python bench/tta_training.py SPEC OUT`` on

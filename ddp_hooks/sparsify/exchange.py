@@ -29,7 +29,7 @@ from .error_feedback import ResidualChange, VelocityChange, carried, compensated
 from .nonfinite import fill_if, holds_nonfinite
 from .selectors import SelectionRequest, Unit
 
-__all__ = ["Piece", "Flight", "Result", "launch", "gather_outweighs_allreduce"]
+__all__ = ["Piece", "Flight", "Result", "launch", "gather_outweighs_allreduce", "sends_everything", "position_dtype"]
 
 # What an exchange yields once it has finished: whether any rank sent a
 # non-finite value, and how to write the average into an all-zero target
@@ -90,6 +90,21 @@ def gather_outweighs_allreduce(density: float, world_size: int, value_bytes: int
     return density >= 1.0 or world_size * density * (value_bytes + index_bytes) >= 2 * value_bytes
 
 
+def position_dtype(numel: int) -> torch.dtype:
+    """The dtype positions travel in, for a gradient of ``numel`` entries: int32 where it fits."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def sends_everything(options, density: float, world_size: int, value_bytes: int, numel: int) -> bool:
+    """Whether a step of ``options`` (a :class:`~ddp_hooks.sparsify.options.SparsifyOptions`) at ``density`` sends
+    every entry by AllReduce: under AllGather where :func:`gather_outweighs_allreduce`, for a gradient of
+    ``numel`` entries of ``value_bytes`` each on ``world_size`` ranks."""
+    if options.aggregation != "allgather":
+        return False
+    index_bytes = position_dtype(numel).itemsize if options.selector.positions_travel else 0
+    return gather_outweighs_allreduce(density, world_size, value_bytes, index_bytes)
+
+
 def _owner(starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The parameter (index into ``starts``) of each position."""
     return torch.searchsorted(starts, positions, right=True) - 1
@@ -102,17 +117,13 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
     step's (:meth:`~ddp_hooks.SparsifyState.density_at`); ``everything``:
     send every position (a warm-up step with momentum or weight decay in
     the hook). Under AllGather every position is also sent, by AllReduce,
-    where the gather would move more bytes
-    (:func:`gather_outweighs_allreduce`).
+    where the gather would move more bytes (:func:`sends_everything`).
     """
     grad, residual, velocity, decay = piece.grad, piece.residual, piece.velocity, piece.decay
     group, rank, world = state.binding
     selector, scale = state.selector, state.run.scale
-    index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
-    gathers = state.options.aggregation == "allgather"
-    everything = everything or (gathers and gather_outweighs_allreduce(
-        density, world, grad.element_size(), index_dtype.itemsize if selector.positions_travel else 0))
-    shared = everything or not gathers
+    everything = everything or sends_everything(state.options, density, world, grad.element_size(), grad.numel())
+    shared = everything or state.options.aggregation == "allreduce"
     request = SelectionRequest(units=piece.units, density=density, seed=state.options.seed, step=step,
                                rank=SHARED if shared else rank, device=grad.device, group=group, world_size=world)
     if everything:
@@ -172,6 +183,7 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
         state.counters.add(k, sent_bytes, *dense)
         flight.future = allreduce_sum(wire, group, world).then(lambda f: _shared_result(positions, f.value()))
         return flight
+    index_dtype = position_dtype(grad.numel())
     if selector.positions_travel:
         payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
         sent_bytes += k * index_dtype.itemsize

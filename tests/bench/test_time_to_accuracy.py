@@ -65,7 +65,7 @@ def test_training_args_use_each_familys_settings_and_the_default_density_warmup(
 
 
 def _record(method, bandwidth, seconds, **extra):
-    return {"model": "fmnist-cnn", "hosts": 4, "bandwidth": bandwidth, "round": 0, **method.as_dict(),
+    return {"model": "fmnist-cnn", "hosts": 4, "bandwidth": bandwidth, "round": 0, **method.as_dict(), "params": 1227786,
             "s_per_step": seconds, "s_per_step_max_rank": seconds, "payload_bytes_per_step": 1.0,
             "wire_bytes_per_step": 1.0, "dense_bytes_per_step": 1.0, "forward_s": 0.01, "backward_s": 0.02,
             "exchange_s": 0.03, "compression_s": 0.004, "optimizer_s": 0.001, **extra}
