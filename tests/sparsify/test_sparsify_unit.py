@@ -183,13 +183,13 @@ def test_a_unit_short_of_draws_draws_more_and_chooses_alike(monkeypatch):
     args = ([0, 3000, 3100], [3000, 100, 5000], [300, 60, 50], [4, 5, 6], 7, 3, SHARED, torch.device("cpu"))
     expected = randomk.random_subsets(*args)
     monkeypatch.setattr(randomk, "_draws", lambda n, k: k)  # repeats are near certain: every unit falls short
-    randomk._split.cache_clear()  # the plans cached above were made with the real number of draws
+    randomk.split_units.cache_clear()  # the plans cached above were made with the real number of draws
     calls = []
     original = randomk._first_distinct_draws
     monkeypatch.setattr(randomk, "_first_distinct_draws", lambda *a: calls.append(a[0].draws) or original(*a))
     assert torch.equal(randomk.random_subsets(*args), expected)
     assert len(calls) > 1 and calls[0] == (300, 60, 50)
-    randomk._split.cache_clear()  # nor may later tests see plans made with too few draws
+    randomk.split_units.cache_clear()  # nor may later tests see plans made with too few draws
 
 
 def test_random_subsets_cover_all_positions_alike_across_steps():

@@ -45,16 +45,16 @@ Example::
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple, Sequence, Tuple
 
 import torch
 
 from ..._internal.seeding import derive_seeds, uniform_below
 from .base import SelectionRequest, Selector
+from .plans import one_plan_per_layout
 from .randomk import random_subsets
 
-__all__ = ["RandomBlock", "random_blocks", "blocks_drawn"]
+__all__ = ["RandomBlock", "random_blocks", "blocks_drawn", "BlockPlan", "block_plan"]
 
 
 def blocks_drawn(numel: int, k: int, block_size: int) -> int:
@@ -62,7 +62,7 @@ def blocks_drawn(numel: int, k: int, block_size: int) -> int:
     return min(-(-k // block_size) + 1, -(-numel // block_size))
 
 
-class _BlockPlan(NamedTuple):
+class BlockPlan(NamedTuple):
     """Device tensors of one layout of units; only the phases and the drawn blocks change per step."""
 
     total: int  # entries in all (the sum of the budgets)
@@ -80,9 +80,10 @@ class _BlockPlan(NamedTuple):
     any_whole: bool
 
 
-@lru_cache(maxsize=256)
-def _plan(offsets: Tuple[int, ...], sizes: Tuple[int, ...], ks: Tuple[int, ...], keys: Tuple[int, ...],
-          block_size: int, device: torch.device) -> _BlockPlan:
+@one_plan_per_layout(budget_args=2)  # ks: a new plan at each step of the density warm-up
+def block_plan(offsets: Tuple[int, ...], sizes: Tuple[int, ...], ks: Tuple[int, ...], keys: Tuple[int, ...],
+               block_size: int, device: torch.device) -> BlockPlan:
+    """The device tensors of one layout of units and budgets, kept for the layout's last budgets (:mod:`.plans`)."""
     counts = tuple(-(-n // block_size) for n in sizes)
     draws = tuple(blocks_drawn(n, k, block_size) for n, k in zip(sizes, ks))
     block_offsets, at = [], 0
@@ -91,7 +92,7 @@ def _plan(offsets: Tuple[int, ...], sizes: Tuple[int, ...], ks: Tuple[int, ...],
         at += c
     draws_t = torch.tensor(draws, device=device)
     whole = [k == n for n, k in zip(sizes, ks)]
-    return _BlockPlan(
+    return BlockPlan(
         total=int(sum(ks)), block_offsets=tuple(block_offsets), block_counts=counts, draws=draws,
         unit=torch.repeat_interleave(torch.arange(len(sizes), device=device), draws_t, output_size=sum(draws)),
         first_draw=torch.cumsum(draws_t, 0) - draws_t,
@@ -116,7 +117,7 @@ def random_blocks(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int
     Within a unit the positions come block by block in draw order; a unit
     sent whole (``k == n``) has phase 0.
     """
-    plan = _plan(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), int(block_size), torch.device(device))
+    plan = block_plan(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), int(block_size), torch.device(device))
     b = int(block_size)
     # 3. the drawn blocks (indices laid end to end over the units), in draw order
     drawn = random_subsets(plan.block_offsets, plan.block_counts, plan.draws, tuple(keys), seed, step, rank, device)

@@ -36,7 +36,6 @@ Example::
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -45,8 +44,9 @@ from ..._internal.seeding import GAMMA, derive_seed, derive_seeds, generator_for
 
 from .base import SelectionRequest, Selector
 from .first_draws import first_draws
+from .plans import one_plan_per_layout
 
-__all__ = ["RandomK", "random_subsets"]
+__all__ = ["RandomK", "random_subsets", "DrawPlan", "split_units", "draw_plan"]
 
 # A unit larger than this whose budget is a quarter of it or more uses randperm.
 _DRAW_LIMIT = 1 << 12
@@ -79,7 +79,7 @@ def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[in
             gives the unit's seed ``derive_seed(seed, step, key, rank)``.
         device: where the positions are made.
     """
-    dense, plan = _split(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), torch.device(device))
+    dense, plan = split_units(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), torch.device(device))
     from_draws = None if plan is None else _first_distinct_draws(plan, seed, step, rank)
     if not any(dense):
         return from_draws
@@ -95,19 +95,19 @@ def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[in
     return torch.cat(parts)
 
 
-@lru_cache(maxsize=256)
-def _split(offsets, sizes, ks, keys, device) -> Tuple[Tuple[bool, ...], Optional["_Plan"]]:
+@one_plan_per_layout(budget_args=2)  # ks
+def split_units(offsets, sizes, ks, keys, device) -> Tuple[Tuple[bool, ...], Optional["DrawPlan"]]:
     """Which units take ``randperm`` (large, with a budget of a quarter or more), and the plan of the others."""
     dense = tuple(n > _DRAW_LIMIT and 4 * k >= n for n, k in zip(sizes, ks))
     drawn = [u for u, d in enumerate(dense) if not d]
     if not drawn:
         return dense, None
-    return dense, _plan(tuple(offsets[u] for u in drawn), tuple(sizes[u] for u in drawn),
-                        tuple(ks[u] for u in drawn), tuple(keys[u] for u in drawn),
-                        tuple(_draws(sizes[u], ks[u]) for u in drawn), device)
+    return dense, draw_plan(tuple(offsets[u] for u in drawn), tuple(sizes[u] for u in drawn),
+                            tuple(ks[u] for u in drawn), tuple(keys[u] for u in drawn),
+                            tuple(_draws(sizes[u], ks[u]) for u in drawn), device)
 
 
-class _Plan(NamedTuple):
+class DrawPlan(NamedTuple):
     """Device tensors of one layout of drawn units; only the seeds change from step to step."""
 
     offsets: Tuple[int, ...]
@@ -125,19 +125,20 @@ class _Plan(NamedTuple):
     keys_t: torch.Tensor
 
 
-@lru_cache(maxsize=256)
-def _plan(offsets, sizes, ks, keys, draws, device) -> _Plan:
+@one_plan_per_layout(budget_args=(2, 4))  # ks and the draws
+def draw_plan(offsets, sizes, ks, keys, draws, device) -> DrawPlan:
+    """The device tensors of drawn units and their budgets, kept for the layout's last budgets (:mod:`.plans`)."""
     counts = torch.tensor(draws, device=device)
     unit = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=sum(draws))
     first = torch.cumsum(counts, 0) - counts
     j = torch.arange(unit.numel(), device=device) - first.index_select(0, unit)
-    return _Plan(offsets, sizes, ks, keys, draws, unit, j * GAMMA,
-                 torch.tensor(sizes, device=device).index_select(0, unit),
-                 torch.tensor(offsets, device=device).index_select(0, unit),
-                 first, first + counts - 1, torch.tensor(ks, device=device), torch.tensor(keys, device=device))
+    return DrawPlan(offsets, sizes, ks, keys, draws, unit, j * GAMMA,
+                    torch.tensor(sizes, device=device).index_select(0, unit),
+                    torch.tensor(offsets, device=device).index_select(0, unit),
+                    first, first + counts - 1, torch.tensor(ks, device=device), torch.tensor(keys, device=device))
 
 
-def _first_distinct_draws(plan: _Plan, seed: int, step: int, rank: int) -> torch.Tensor:
+def _first_distinct_draws(plan: DrawPlan, seed: int, step: int, rank: int) -> torch.Tensor:
     """For each unit, the first ``k_u`` distinct values of ``d_u`` hashed draws."""
     unit_seed = derive_seeds(seed, step, plan.keys_t, rank).index_select(0, plan.unit)
     position = uniform_below(splitmix64_tensor(unit_seed.add_(plan.stride)), plan.size).add_(plan.offset)
@@ -151,7 +152,7 @@ def _first_distinct_draws(plan: _Plan, seed: int, step: int, rank: int) -> torch
         more = list(plan.draws)
         for u in short:
             more[u] = 2 * more[u]
-        bigger = _plan(plan.offsets, plan.sizes, plan.ks, plan.keys, tuple(more), plan.unit.device)
+        bigger = draw_plan(plan.offsets, plan.sizes, plan.ks, plan.keys, tuple(more), plan.unit.device)
         return _first_distinct_draws(bigger, seed, step, rank)
     # a new value is kept while its unit has fewer than k_u: distinct < at_first + k_u
     keep = new_value & (distinct < (at_first + plan.ks_t).index_select(0, plan.unit))
