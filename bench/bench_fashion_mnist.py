@@ -124,20 +124,30 @@ def train_one(rank, world, data, run, args, seed):
         order = torch.randperm(shard, generator=torch.Generator().manual_seed(10_000 * seed + 100 * rank + epoch))
         losses = []
         for s in range(steps_per_epoch):
-            step = epoch * steps_per_epoch + s
-            if args.schedule == "cosine":
-                for group in opt.param_groups:
-                    group["lr"] = args.lr * 0.5 * (1.0 + math.cos(math.pi * step / total))
+            lr = cosine_lr(args.lr, epoch * steps_per_epoch + s, total) if args.schedule == "cosine" else None
             idx = order[s * args.batch:(s + 1) * args.batch]
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(ddp(xs[idx]), ys[idx])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            losses.append(train_step(ddp, opt, xs[idx], ys[idx], lr))
         curve.append(round(evaluate(ddp.module, x_test, y_test), 2))
     return {"seed": seed, "name": run["name"], "accuracy": curve[-1], "curve": curve,
             "last_epoch_loss": sum(losses) / len(losses), "seconds": round(time.perf_counter() - start, 1),
             "bytes_ratio": None if state is None else state.stats()["compression_ratio"]}
+
+
+def cosine_lr(peak: float, step: int, total: int) -> float:
+    """The cosine rate at ``step`` of ``total``: ``peak (1 + cos(pi step / total)) / 2``."""
+    return peak * 0.5 * (1.0 + math.cos(math.pi * step / total))
+
+
+def train_step(ddp, opt, x, y, lr=None) -> float:
+    """One SGD step on the batch ``(x, y)`` at learning rate ``lr`` (None: the optimizer's); the loss."""
+    if lr is not None:
+        for group in opt.param_groups:
+            group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(ddp(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
 
 
 def evaluate(model, x, y) -> float:
