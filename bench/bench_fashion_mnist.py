@@ -112,8 +112,8 @@ def setup_exchange(ddp, run, args, seed):
 
 def train_one(rank, world, data, run, args, seed):
     x_train, y_train, x_test, y_test = data
-    shard = len(y_train) // world
-    xs, ys = x_train[rank * shard:(rank + 1) * shard], y_train[rank * shard:(rank + 1) * shard]
+    xs, ys = rank_shard(x_train, y_train, rank, world)
+    shard = len(ys)
     ddp = DDP(cnn(seed))
     opt, state = setup_exchange(ddp, run, args, seed)
     steps_per_epoch = shard // args.batch
@@ -121,7 +121,7 @@ def train_one(rank, world, data, run, args, seed):
     curve, losses = [], []
     start = time.perf_counter()
     for epoch in range(args.epochs):
-        order = torch.randperm(shard, generator=torch.Generator().manual_seed(10_000 * seed + 100 * rank + epoch))
+        order = epoch_order(shard, seed, rank, epoch)
         losses = []
         for s in range(steps_per_epoch):
             lr = cosine_lr(args.lr, epoch * steps_per_epoch + s, total) if args.schedule == "cosine" else None
@@ -131,6 +131,17 @@ def train_one(rank, world, data, run, args, seed):
     return {"seed": seed, "name": run["name"], "accuracy": curve[-1], "curve": curve,
             "last_epoch_loss": sum(losses) / len(losses), "seconds": round(time.perf_counter() - start, 1),
             "bytes_ratio": None if state is None else state.stats()["compression_ratio"]}
+
+
+def rank_shard(x, y, rank: int, world: int):
+    """Rank ``rank``'s contiguous shard of ``(x, y)``, ``len(y) // world`` examples (the rest unused)."""
+    shard = len(y) // world
+    return x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+
+
+def epoch_order(shard: int, seed: int, rank: int, epoch: int) -> torch.Tensor:
+    """The order in which rank ``rank`` reads its shard in ``epoch`` of the run of ``seed``."""
+    return torch.randperm(shard, generator=torch.Generator().manual_seed(10_000 * seed + 100 * rank + epoch))
 
 
 def cosine_lr(peak: float, step: int, total: int) -> float:

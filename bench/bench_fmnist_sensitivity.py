@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_fashion_mnist import cnn, cosine_lr, load, train_step  # noqa: E402
+from bench_fashion_mnist import cnn, cosine_lr, epoch_order, load, rank_shard, train_step  # noqa: E402
 from ddp_hooks import SparsifyState, sparsify_hook  # noqa: E402
 from ddp_hooks.testing import run_distributed  # noqa: E402
 
@@ -53,9 +53,7 @@ def scaled_allreduce(eps: float):
 
 def train(rank, world, data, run, args):
     """The first ``args.steps`` steps of one run; rank 0's training losses."""
-    x_train, y_train = data[0], data[1]
-    shard = len(y_train) // world
-    xs, ys = x_train[rank * shard:(rank + 1) * shard], y_train[rank * shard:(rank + 1) * shard]
+    xs, ys = rank_shard(data[0], data[1], rank, world)
     ddp = DDP(cnn(args.seed))
     if run["method"] == "dense":
         ddp.register_comm_hook(None, scaled_allreduce(run["eps"]))
@@ -63,8 +61,8 @@ def train(rank, world, data, run, args):
         ddp.register_comm_hook(SparsifyState(method=run["method"], density=0.05, aggregation="allgather",
                                              seed=args.seed), sparsify_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    total = EPOCHS * (shard // args.batch)
-    order = torch.randperm(shard, generator=torch.Generator().manual_seed(10_000 * args.seed + 100 * rank))
+    total = EPOCHS * (len(ys) // args.batch)
+    order = epoch_order(len(ys), args.seed, rank, epoch=0)
     losses = []
     for step in range(args.steps):
         idx = order[step * args.batch:(step + 1) * args.batch]

@@ -5,11 +5,10 @@ import threading
 import pytest
 import torch
 
-from ddp_hooks.sparsify.selectors import budgets, Unit
+from ddp_hooks.sparsify.selectors import Unit, budgets, random_block, randomk
 from ddp_hooks.sparsify.selectors.plans import one_plan_per_layout
 from ddp_hooks.sparsify.selectors.random_block import random_blocks
 from ddp_hooks.sparsify.selectors.randomk import random_subsets
-from ddp_hooks.sparsify.selectors import random_block, randomk
 
 
 def test_a_plan_is_reused_for_the_same_budgets_and_replaced_for_new_ones():

@@ -6,9 +6,9 @@ small operations per step, so they are memoised. Memoising them by
 ``(layout, budgets)`` in an LRU of a fixed number of entries holds the
 wrong ones during the density warm-up: the budgets change at every step,
 no plan is ever asked for twice, and the LRU fills with the plans of the
-last steps, each as large as the number of draws. For one 25 MB bucket of
-random-block with 4-entry blocks, 256 such plans held 2.2 GB after 250
-warm-up steps (GPU memory, when training on a GPU).
+last 256 steps, each as large as the number of draws. For one 25 MB bucket
+of random-block with 4-entry blocks, the plans of 250 warm-up steps held
+2.2 GB (GPU memory, when training on a GPU).
 
 :func:`one_plan_per_layout` keeps, for each layout, only the plan of the
 budgets asked for last: what a bucket reuses from step to step once the
@@ -89,11 +89,11 @@ def one_plan_per_layout(budget_args: Union[int, Tuple[int, ...]], max_layouts: i
             with lock:
                 plans.clear()
 
-        memoised.cache_clear = cache_clear
         def held():
             with lock:
                 return [plan for _, plan in plans.values()]
 
+        memoised.cache_clear = cache_clear
         memoised.held = held
         return memoised
 
