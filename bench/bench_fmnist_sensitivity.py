@@ -16,8 +16,8 @@ defaults (density 0.05, AllGather), whose first steps send every entry by
 AllReduce: dense in exact arithmetic, rounded its own way.
 
 A run has *collapsed* when its mean training loss over the last 10 steps is
-above 2.25 (every output equal gives ln 10 = 2.30): its ReLUs died and it
-stays at 10 % test accuracy. If some dense runs collapse and others do not,
+above 2.25 (every output equal gives ln 10 = 2.30): such runs stay at
+10 % test accuracy (their gradient near zero: dead ReLUs, by all appearances). If some dense runs collapse and others do not,
 the setting decides between them on rounding alone, and one collapsed run of
 any method there says nothing about the method.
 """
