@@ -1,5 +1,5 @@
-"""The small MLP, its batches, a flattener, the hook's remembered update laid out densely and every sparsifier
-combination, shared by the tests (imported by
+"""The small MLP, its batches, a flattener, the hook's remembered update laid out densely, every sparsifier
+combination and a net with a layer that forward may leave out, shared by the tests (imported by
 module name: tests/conftest.py puts tests/ on sys.path)."""
 
 import torch
@@ -9,6 +9,20 @@ def small_mlp(seed=0):
     """20-30-40-5 with one Tanh: four parameter tensors, one DDP bucket."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.Tanh(), torch.nn.Linear(30, 40), torch.nn.Linear(40, 5))
+
+
+class NetWithExtra(torch.nn.Module):
+    """Two layers, and a third (`extra`) that forward may leave out (``use_extra``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.extra = torch.nn.Linear(20, 30), torch.nn.Linear(30, 5), torch.nn.Linear(30, 5)
+        self.use_extra = True
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.extra(h) if self.use_extra else self.b(h)
 
 
 def batch(rank, step):

@@ -34,11 +34,13 @@ def commit(state, flights: List[Flight], scale: Optional[torch.Tensor]) -> None:
     for flight, (_, write) in zip(flights, results):
         if flight.residual is not None:
             fold_step(flight.grad, flight.positions, flight.residual, flight.velocity, discard=discard,
-                      inv_scale=inv_scale, idle=flight.idle, beta=state.options.error_feedback_beta)
+                      inv_scale=inv_scale, idle=flight.idle, beta=state.options.error_feedback_beta,
+                      whole=flight.whole)
         target = flight.grad.zero_() if flight.result is None else flight.result.clear()
         written = write(target)
         if flight.update is not None and applied:
-            written = present_update(state.last_updates, flight.update, target, written, scale, inv_scale)
+            written = present_update(state.last_updates, flight.update, target, written, scale, inv_scale,
+                                     whole=flight.whole)
         if flight.result is not None:
             flight.result.written = written
         if flight.outputs is not None:

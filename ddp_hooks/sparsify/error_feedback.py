@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 
 from .nonfinite import fill_if
-from .sparse_output import zero_at
+from .positions import put, zero_at
 
 __all__ = ["compensated", "carried", "ResidualChange", "VelocityChange", "fold_step"]
 
@@ -104,7 +104,7 @@ class VelocityChange:
 
 def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualChange,
               velocity: Optional[VelocityChange], *, discard: torch.Tensor, inv_scale: Optional[torch.Tensor],
-              idle: Optional[torch.Tensor] = None, beta: float = 1.0) -> None:
+              idle: Optional[torch.Tensor] = None, beta: float = 1.0, whole: bool = False) -> None:
     """Fold the step's gradient into this rank's float32 states; a discarded step leaves them unchanged.
 
     The one place where the per-rank states absorb a gradient, and so where
@@ -121,6 +121,10 @@ def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualCha
     the residual becomes ``(1 - beta) e + beta (p - c)``: ``e + beta g / S``
     where nothing was sent, ``(1 - beta) e + beta r`` where it was (``r``
     the rounding to the wire dtype, else 0).
+
+    ``whole``: ``positions`` are every position in order (:mod:`.positions`);
+    every entry of ``e`` is then written at the sent positions, so ``e`` is
+    not first added to.
     """
     e = residual.vector
     on_host = discard.device.type == "cpu"  # the verdict is free to read there: branch instead of masking
@@ -130,11 +134,13 @@ def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualCha
         fill_if(grad, discard, 0.0, sync_free=True)
         if residual.decay is not None:
             fill_if(residual.decay, discard, 0.0, sync_free=True)
-    if inv_scale is not None and beta == 1.0:
+    if whole:
+        pass  # e is overwritten at every position below
+    elif inv_scale is not None and beta == 1.0:
         e.addcmul_(grad, inv_scale)
     else:
         e.add_(grad if inv_scale is None else grad * inv_scale, alpha=beta)
-    if residual.decay is not None:
+    if residual.decay is not None and not whole:
         e.add_(residual.decay, alpha=beta)
     # positions whose states keep their values (a parameter without a gradient; on a device, a discarded step);
     # they had no gradient added (an idle parameter's is 0, a discarded step's was zeroed): e before
@@ -146,20 +152,17 @@ def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualCha
         left = residual.before * (1.0 - beta)
         if remainder is not None:
             left.add_(remainder, alpha=beta)
-        e.index_put_((positions,), left if frozen is None else torch.where(frozen, residual.before, left))
+        put(e, positions, left if frozen is None else torch.where(frozen, residual.before, left), whole)
     elif frozen is None:
         if remainder is None:
             if not residual.cancelled:  # (cancelled: e + grad is 0 at `positions` already)
-                zero_at(e, positions)
+                zero_at(e, positions, whole)
         else:
-            e.scatter_(0, positions, remainder)
+            put(e, positions, remainder, whole)
     else:
         if remainder is None:
             remainder = torch.zeros((), dtype=e.dtype, device=e.device)
-        e.index_put_((positions,), torch.where(frozen, residual.before, remainder))
+        put(e, positions, torch.where(frozen, residual.before, remainder), whole)
     if velocity is not None:
         sent = velocity.sent if inv_scale is None else velocity.sent * inv_scale
-        if frozen is None:
-            velocity.vector.scatter_(0, positions, sent)
-        else:
-            velocity.vector.index_put_((positions,), torch.where(frozen, velocity.before, sent))
+        put(velocity.vector, positions, sent if frozen is None else torch.where(frozen, velocity.before, sent), whole)

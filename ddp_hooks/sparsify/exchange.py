@@ -27,6 +27,7 @@ from .._internal.collectives import allgather, allreduce_sum
 from .._internal.seeding import SHARED
 from .error_feedback import ResidualChange, VelocityChange, carried, compensated
 from .nonfinite import fill_if, holds_nonfinite
+from .positions import gather, owners, put
 from .selectors import SelectionRequest, Unit
 
 __all__ = ["Piece", "Flight", "Result", "launch", "gather_outweighs_allreduce", "sends_everything", "position_dtype"]
@@ -57,6 +58,7 @@ class Flight:
     grad: torch.Tensor  # the gradient; receives the result unless `result` is set
     positions: torch.Tensor  # this rank's sent positions
     future: torch.futures.Future  # -> Result
+    whole: bool = False  # the positions are every position in order (.positions: gathers there are copies)
     residual: Optional[ResidualChange] = None
     velocity: Optional[VelocityChange] = None
     idle: Optional[torch.Tensor] = None  # per sent position: its parameter had no gradient (nothing sent, kept)
@@ -105,11 +107,6 @@ def sends_everything(options, density: float, world_size: int, value_bytes: int,
     return gather_outweighs_allreduce(density, world_size, value_bytes, index_bytes)
 
 
-def _owner(starts: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The parameter (index into ``starts``) of each position."""
-    return torch.searchsorted(starts, positions, right=True) - 1
-
-
 def launch(state, piece: Piece, *, step: int, density: float, everything: bool = False) -> Flight:
     """Select, pack and start the collective of ``piece``; the per-rank states are left untouched.
 
@@ -137,9 +134,9 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
         if selector.communicates:  # count the bytes of the selector's own collectives
             state.counters.add(0, selector.agreement_bytes(request), 0, 0)
     # p at the chosen positions only (the same float operations as the whole p)
-    before = None if residual is None else residual.index_select(0, positions)
-    values = compensated(grad.index_select(0, positions),
-                         carried(before, None if decay is None else decay.index_select(0, positions)), scale)
+    before = None if residual is None else gather(residual, positions, everything)
+    values = compensated(gather(grad, positions, everything),
+                         carried(before, None if decay is None else gather(decay, positions, everything)), scale)
     # Where no scale or decay enters the update, cancel the residual now, while the
     # lines just read are in cache: grad = -e at the sent positions makes the
     # commit's e + grad exactly 0 there, and spares it a scattered write into e.
@@ -147,13 +144,13 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
     cancelled = (before is not None and not everything and decay is None and scale is None
                  and grad.dtype == torch.float32)
     if cancelled:
-        grad.scatter_(0, positions, before.neg())
+        put(grad, positions, before.neg(), whole=False)
     velocity_before = owner = None  # owner: the parameter of each position, found once if needed
     if velocity is not None:  # momentum in sends: w = m w + p where this rank sends
-        velocity_before = velocity.index_select(0, positions)
+        velocity_before = gather(velocity, positions, everything)
         scaled = velocity_before if scale is None else velocity_before * scale
         if isinstance(piece.momentum, torch.Tensor):  # one per parameter
-            owner = _owner(piece.starts, positions)
+            owner = owners(piece.starts, positions, grad.numel(), everything)
             values.addcmul_(scaled, piece.momentum.index_select(0, owner))
         else:
             values.add_(scaled, alpha=piece.momentum)
@@ -162,12 +159,12 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
         no_gradient = piece.marks == 0
         if piece.marks.device.type != "cpu" or no_gradient.any():  # (on the CPU the host may look: usually none)
             if owner is None:
-                owner = _owner(piece.starts, positions)
+                owner = owners(piece.starts, positions, grad.numel(), everything)
             idle = no_gradient[owner]
             values.masked_fill_(idle, 0.0)
     sent = None if velocity is None else values.clone()  # `wire` may be `values` itself, divided below
     wire = values.to(grad.dtype)
-    flight = Flight(grad=grad, positions=positions, future=None, idle=idle)
+    flight = Flight(grad=grad, positions=positions, future=None, whole=everything, idle=idle)
     if residual is not None:
         flight.residual = ResidualChange(vector=residual, before=before, cancelled=cancelled, decay=decay,
                                          rounding=None if wire.dtype == torch.float32 else values - wire.float())
@@ -181,7 +178,8 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
     dense = (grad.numel(), grad.numel() * grad.element_size())
     if shared:
         state.counters.add(k, sent_bytes, *dense)
-        flight.future = allreduce_sum(wire, group, world).then(lambda f: _shared_result(positions, f.value()))
+        flight.future = allreduce_sum(wire, group, world).then(
+            lambda f: _shared_result(positions, f.value(), everything))
         return flight
     index_dtype = position_dtype(grad.numel())
     if selector.positions_travel:
@@ -200,9 +198,9 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
     return flight
 
 
-def _shared_result(positions: torch.Tensor, received: torch.Tensor) -> Result:
+def _shared_result(positions: torch.Tensor, received: torch.Tensor, whole: bool) -> Result:
     def write(target):
-        target.scatter_(0, positions, received)  # positions are distinct: a plain copy, faster than index_copy_
+        put(target, positions, received, whole)
         return [positions]
 
     return holds_nonfinite(received), write

@@ -18,12 +18,12 @@ Example::
     >>> import torch
     >>> store = LastUpdates()
     >>> store.put(0, ((0, 0, 4), (1, 4, 4)), torch.tensor([1, 6]), torch.tensor([0.5, -2.0]))
-    >>> positions, values = store.get(0, ((0, 0, 4), (1, 4, 4)), torch.device("cpu"))
-    >>> positions.tolist(), values.tolist()
-    ([1, 6], [0.5, -2.0])
+    >>> last = store.get(0, ((0, 0, 4), (1, 4, 4)), torch.device("cpu"))
+    >>> last.positions.tolist(), last.values.tolist(), last.whole
+    ([1, 6], [0.5, -2.0], False)
     >>> # after a rebuild parameter 1 comes first in bucket 0: its entry follows it
-    >>> positions, values = store.get(0, ((1, 0, 4),), torch.device("cpu"))
-    >>> positions.tolist(), values.tolist()
+    >>> last = store.get(0, ((1, 0, 4),), torch.device("cpu"))
+    >>> last.positions.tolist(), last.values.tolist()
     ([2], [-2.0])
 """
 
@@ -34,10 +34,19 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from .layout import Layout
+from .positions import gather, owners
 
-__all__ = ["LastUpdates", "UpdateRecord", "present_update"]
+__all__ = ["LastUpdates", "LastUpdate", "UpdateRecord", "present_update"]
 
 Entries = Tuple[torch.Tensor, torch.Tensor]  # (int64 positions, float32 values)
+
+
+class LastUpdate(NamedTuple):
+    """A bucket's last averaged update: distinct positions, their values, and whether they are every position."""
+
+    positions: torch.Tensor  # int64
+    values: torch.Tensor  # float32
+    whole: bool = False  # positions are 0 .. n-1 of the bucket, in order (.positions)
 
 
 class LastUpdates:
@@ -46,15 +55,15 @@ class LastUpdates:
     __slots__ = ("_by_bucket", "_pending")
 
     def __init__(self) -> None:
-        self._by_bucket: Dict[int, Tuple[Layout, torch.Tensor, torch.Tensor]] = {}
+        self._by_bucket: Dict[int, Tuple[Layout, LastUpdate]] = {}
         # per parameter key: positions within the parameter and values, not yet placed in a bucket
         self._pending: Dict[int, Entries] = {}
 
-    def get(self, bucket_index: int, layout: Layout, device: torch.device) -> Optional[Entries]:
+    def get(self, bucket_index: int, layout: Layout, device: torch.device) -> Optional[LastUpdate]:
         """The bucket's last update in this layout, on ``device``, or ``None`` if it received none."""
         stored = self._by_bucket.get(bucket_index)
         if stored is not None and stored[0] == layout:
-            return stored[1], stored[2]
+            return stored[1]
         if stored is not None:  # a rebuild: every bucket's entries go back to their parameters
             self._unplace_all()
         positions, values = [], []
@@ -65,11 +74,12 @@ class LastUpdates:
                 values.append(entry[1].to(device))
         if not positions:
             return None
-        return torch.cat(positions), torch.cat(values)
+        return LastUpdate(torch.cat(positions), torch.cat(values))
 
-    def put(self, bucket_index: int, layout: Layout, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Record the bucket's update of this step: distinct positions and their values."""
-        self._by_bucket[bucket_index] = (layout, positions, values)
+    def put(self, bucket_index: int, layout: Layout, positions: torch.Tensor, values: torch.Tensor,
+            whole: bool = False) -> None:
+        """Record the bucket's update of this step: distinct positions (``whole``: every one, in order), values."""
+        self._by_bucket[bucket_index] = (layout, LastUpdate(positions, values, whole))
 
     def drop_buckets_after(self, last_index: int) -> None:
         """Give the entries of bucket indices past the step's last bucket back to their parameters."""
@@ -85,7 +95,7 @@ class LastUpdates:
             self._unplace(index)
 
     def _unplace(self, bucket_index: int) -> None:
-        layout, positions, values = self._by_bucket.pop(bucket_index)
+        layout, (positions, values, _) = self._by_bucket.pop(bucket_index)
         if not positions.numel():
             return
         starts = torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=positions.device)
@@ -134,28 +144,34 @@ class UpdateRecord(NamedTuple):
 
 
 def present_update(store: LastUpdates, record: UpdateRecord, target: torch.Tensor, written: List[torch.Tensor],
-                   scale: Optional[torch.Tensor], inv_scale: Optional[torch.Tensor]) -> List[torch.Tensor]:
+                   scale: Optional[torch.Tensor], inv_scale: Optional[torch.Tensor],
+                   whole: bool = False) -> List[torch.Tensor]:
     """Turn the averaged update ``u_t`` in ``target`` into ``u_t - m u_{t-1}``; remember ``u_t``.
 
     The optimizer's buffer then steps to ``m (u_{t-1} + z) + u_t - m u_{t-1}
     = u_t + m z``: it holds this step's sent velocity (plus the momentum of
     whatever else it was given, weight decay), whatever it held from the
-    sends before. Returns every position now written in ``target``.
+    sends before. Returns every position now written in ``target``. ``whole``:
+    the one tensor in ``written`` is every position of ``target``, in order.
     """
+    whole = whole and len(written) == 1
     positions = written[0] if len(written) == 1 else torch.cat(written).unique()  # AllGather: ranks overlap
-    values = target.index_select(0, positions).float()
+    values = gather(target, positions, whole).float()
     previous = store.get(record.bucket, record.layout, target.device)
     m = record.momentum
     if previous is not None and (isinstance(m, torch.Tensor) or m != 0.0):
-        where, before = previous
+        where, before, was_whole = previous
         if isinstance(m, torch.Tensor):
-            factor = m.index_select(0, torch.searchsorted(record.starts, where, right=True) - 1).neg_()
+            factor = m.index_select(0, owners(record.starts, where, target.numel(), was_whole)).neg_()
         else:
             factor = torch.full((), -float(m), device=target.device)
         if scale is not None:
             factor = factor * scale
-        target.index_add_(0, where, (before * factor).to(target.dtype))
+        change = (before * factor).to(target.dtype)
+        if was_whole:
+            target.add_(change)
+        else:
+            target.index_add_(0, where, change)
         written = [positions, where]
-    store.put(record.bucket, record.layout, positions,
-                           values if inv_scale is None else values * inv_scale)
+    store.put(record.bucket, record.layout, positions, values if inv_scale is None else values * inv_scale, whole)
     return written

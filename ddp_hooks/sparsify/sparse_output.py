@@ -33,17 +33,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["SparseOutput", "SparseOutputs", "zero_at"]
+from .positions import zero_at
 
-
-def zero_at(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``tensor[positions] = 0`` for distinct int64 ``positions`` of a 1-D ``tensor``, in place.
-
-    A ``scatter_`` from a zero vector: on the CPU a plain strided loop, where
-    ``index_fill_`` takes a slower general path
-    (``bench/bench_sparsify_kernels.py`` times the hook with it).
-    """
-    return tensor.scatter_(0, positions, torch.zeros(positions.numel(), dtype=tensor.dtype, device=tensor.device))
+__all__ = ["SparseOutput", "SparseOutputs"]
 
 
 class SparseOutput:

@@ -13,22 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import LocalAdaAlter, LocalSGDState, SparsifyState, build_local_adaalter, local_sgd_hook, sparsify_hook
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
+from small_mlp import NetWithExtra as Net
 
 SPARSIFY = [("random_block", "layer", "allreduce"), ("topk", "global", "allgather"), ("randomk", "bucket", "allgather")]
-
-
-class Net(torch.nn.Module):
-    """Two layers, and a third (`extra`) that forward may leave out."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.extra = torch.nn.Linear(20, 30), torch.nn.Linear(30, 5), torch.nn.Linear(30, 5)
-        self.use_extra = True
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        return self.b(h) + self.extra(h) if self.use_extra else self.b(h)
 
 
 def _batch(rank, step, n=8):
