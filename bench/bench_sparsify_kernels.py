@@ -14,7 +14,8 @@ zero between steps (:mod:`ddp_hooks.sparsify.sparse_output`; elsewhere the hook 
 the bucket and writes there: ``bench/compare_result_paths.py`` times both,
 interleaved). Only the collective is absent.
 
-Groups are per bucket size and density. ``floor`` is ``residual.add_(grad)``
+Groups are per bucket size and density (a row at density 1, which sends
+every entry, sits with the 25 MB rows at density 0.01). ``floor`` is ``residual.add_(grad)``
 (error feedback must read the gradient and the residual once), ``copy`` a
 plain ``dst.copy_(grad)``, ``scan`` the hook's search for inf/NaN and for
 parameters without a gradient on its own (a part of every hook row). Each
@@ -159,6 +160,23 @@ def test_random_block_sizes(benchmark, block_size):
     bucket.refill()
     bucket.hook_work()
     benchmark.extra_info.update(bytes_sent=bucket.state.stats()["bytes_sent"], density=0.01)
+    _run_with_own_floor(benchmark, bucket.hook_work, bucket.refill, bucket.grad.numel())
+    vars(bucket).clear()
+
+
+@pytest.mark.parametrize("label", ["25-1-d1-topk-layer-sends-everything"])
+def test_sends_everything(benchmark, label):
+    """top-k at density 1, layer scope, 25 MB: every entry sent by AllReduce (as in its AllGather crossover).
+
+    The positions are every position in order, so gathers and scatters
+    there are copies (:mod:`ddp_hooks.sparsify.positions`); grouped with
+    the 25 MB rows at density 0.01 for their floor.
+    """
+    benchmark.group = _group(25, 0.01)
+    bucket = KernelBucket(25, 1.0, "topk", "layer", "allgather")
+    bucket.refill()
+    bucket.hook_work()
+    benchmark.extra_info.update(bytes_sent=bucket.state.stats()["bytes_sent"], density=1.0)
     _run_with_own_floor(benchmark, bucket.hook_work, bucket.refill, bucket.grad.numel())
     vars(bucket).clear()
 

@@ -36,7 +36,10 @@ def commit(state, flights: List[Flight], scale: Optional[torch.Tensor]) -> None:
             fold_step(flight.grad, flight.positions, flight.residual, flight.velocity, discard=discard,
                       inv_scale=inv_scale, idle=flight.idle, beta=state.options.error_feedback_beta,
                       whole=flight.whole)
-        target = flight.grad.zero_() if flight.result is None else flight.result.clear()
+        if flight.whole:  # the write covers every position: nothing to zero first
+            target = flight.grad if flight.result is None else flight.result.overwrite()
+        else:
+            target = flight.grad.zero_() if flight.result is None else flight.result.clear()
         written = write(target)
         if flight.update is not None and applied:
             written = present_update(state.last_updates, flight.update, target, written, scale, inv_scale,

@@ -27,7 +27,7 @@ from .._internal.collectives import allgather, allreduce_sum
 from .._internal.seeding import SHARED
 from .error_feedback import ResidualChange, VelocityChange, carried, compensated
 from .nonfinite import fill_if, holds_nonfinite
-from .positions import gather, owners, put
+from .positions import every_position, gather, owners, put
 from .selectors import SelectionRequest, Unit
 
 __all__ = ["Piece", "Flight", "Result", "launch", "gather_outweighs_allreduce", "sends_everything", "position_dtype"]
@@ -124,7 +124,7 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
     request = SelectionRequest(units=piece.units, density=density, seed=state.options.seed, step=step,
                                rank=SHARED if shared else rank, device=grad.device, group=group, world_size=world)
     if everything:
-        positions = torch.arange(grad.numel(), device=grad.device)
+        positions = every_position(grad.numel(), grad.device)
     else:
         if selector.reads_values:  # |p| in memory kept from step to step
             magnitude, mask = state.scratch.take(grad.numel(), grad.device)
@@ -133,10 +133,14 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
         positions = selector.select(request)
         if selector.communicates:  # count the bytes of the selector's own collectives
             state.counters.add(0, selector.agreement_bytes(request), 0, 0)
-    # p at the chosen positions only (the same float operations as the whole p)
+    # p at the chosen positions only (the same float operations as the whole p); sent whole, the states
+    # themselves, read here and by the commit before it writes them
     before = None if residual is None else gather(residual, positions, everything)
-    values = compensated(gather(grad, positions, everything),
-                         carried(before, None if decay is None else gather(decay, positions, everything)), scale)
+    grad_at = gather(grad, positions, everything)
+    values = compensated(grad_at, carried(before, None if decay is None else gather(decay, positions, everything)),
+                         scale)
+    if values is grad_at and everything:  # nothing carried: the bucket itself, which `values` must not change
+        values = values.clone()
     # Where no scale or decay enters the update, cancel the residual now, while the
     # lines just read are in cache: grad = -e at the sent positions makes the
     # commit's e + grad exactly 0 there, and spares it a scattered write into e.

@@ -157,6 +157,8 @@ def present_update(store: LastUpdates, record: UpdateRecord, target: torch.Tenso
     whole = whole and len(written) == 1
     positions = written[0] if len(written) == 1 else torch.cat(written).unique()  # AllGather: ranks overlap
     values = gather(target, positions, whole).float()
+    if values is target:  # sent whole: a copy, as target changes below
+        values = values.clone()
     previous = store.get(record.bucket, record.layout, target.device)
     m = record.momentum
     if previous is not None and (isinstance(m, torch.Tensor) or m != 0.0):

@@ -6,9 +6,13 @@ at ``0, 1, ..., n - 1``. There a gather ``x[positions]`` is ``x`` itself, a
 scatter ``x[positions] = v`` is ``x.copy_(v)``, and the parameter of each
 position is its parameter's index repeated over the parameter's size, not
 a binary search of ``n`` positions: the same values, bit for bit, without
-``n`` random reads or writes. The exchange says which steps are *whole*
-(``Flight.whole``); every function here takes that flag and does the
-general indexed operation without it.
+``n`` random reads or writes, and without allocating a copy (on the CPU a
+fresh tensor of a bucket's size costs more in page faults than the copy
+itself). The exchange says which steps are *whole* (``Flight.whole``);
+every function here takes that flag and does the general indexed operation
+without it. The positions themselves, ``0 .. n-1`` as int64, are one tensor
+per size and device (:func:`every_position`), kept while some step holds
+it.
 
 Example::
 
@@ -16,6 +20,8 @@ Example::
     >>> x = torch.tensor([5.0, 6.0, 7.0, 8.0])
     >>> every = torch.arange(4)
     >>> torch.equal(gather(x, every, whole=True), gather(x, every, whole=False))
+    True
+    >>> gather(x, every, whole=True) is x   # to read, not to write
     True
     >>> put(torch.zeros(4), torch.tensor([3, 0]), torch.tensor([1.0, 2.0]), whole=False).tolist()
     [2.0, 0.0, 0.0, 1.0]
@@ -26,14 +32,30 @@ Example::
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
-__all__ = ["gather", "put", "zero_at", "owners"]
+__all__ = ["every_position", "gather", "put", "zero_at", "owners"]
+
+_every: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
+_every_lock = threading.Lock()
+
+
+def every_position(numel: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(numel)`` on ``device``, one shared tensor while any holder keeps it (never write to it)."""
+    key = (int(numel), str(torch.device(device)))
+    with _every_lock:
+        positions = _every.get(key)
+        if positions is None:
+            positions = _every[key] = torch.arange(numel, device=device)
+        return positions
 
 
 def gather(source: torch.Tensor, positions: torch.Tensor, whole: bool) -> torch.Tensor:
-    """``source[positions]`` as a new tensor; with ``whole`` (positions ``0 .. n-1`` of ``source``) a copy."""
-    return source.clone() if whole else source.index_select(0, positions)
+    """``source[positions]``, to be read only: a new tensor, or with ``whole`` (positions ``0 .. n-1``) ``source``."""
+    return source if whole else source.index_select(0, positions)
 
 
 def put(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, whole: bool) -> torch.Tensor:

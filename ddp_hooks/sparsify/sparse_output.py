@@ -57,6 +57,11 @@ class SparseOutput:
                 zero_at(self.tensor, positions)
         return self.tensor
 
+    def overwrite(self) -> torch.Tensor:
+        """The vector, for a write at every position (nothing to zero first); ``written`` becomes unknown."""
+        self.written = None
+        return self.tensor
+
 
 class SparseOutputs:
     """The :class:`SparseOutput` of each bucket index (CPU only), remade when the bucket's size changes."""

@@ -2,6 +2,7 @@
 the indexed path's result."""
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -18,9 +19,8 @@ def test_each_operation_equals_its_indexed_form_at_every_position(numel):
     torch.manual_seed(numel)
     source, values = torch.randn(numel), torch.randn(numel)
     every = torch.arange(numel)
-    copied = positions.gather(source, every, whole=True)
-    assert torch.equal(copied, positions.gather(source, every, whole=False))
-    assert copied.data_ptr() != source.data_ptr()  # a new tensor, as index_select gives
+    assert torch.equal(positions.gather(source, every, whole=True), positions.gather(source, every, whole=False))
+    assert positions.gather(source, every, whole=True) is source  # read in place, not copied
     assert torch.equal(positions.put(torch.randn(numel), every, values, whole=True),
                        positions.put(torch.randn(numel), every, values, whole=False))
     assert not positions.zero_at(torch.randn(numel), every, whole=True).any()
@@ -30,6 +30,17 @@ def test_each_operation_equals_its_indexed_form_at_every_position(numel):
     starts = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))])
     assert torch.equal(positions.owners(starts, every, numel, whole=True),
                        positions.owners(starts, every, numel, whole=False))
+
+
+def test_every_position_is_one_tensor_while_held():
+    held = positions.every_position(10, torch.device("cpu"))
+    assert held.tolist() == list(range(10))
+    assert positions.every_position(10, torch.device("cpu")) is held
+    assert positions.every_position(11, torch.device("cpu")).numel() == 11
+    alive = weakref.ref(held)
+    del held
+    assert alive() is None  # the shared tensor is not kept once no step holds it
+    assert positions.every_position(10, torch.device("cpu")).tolist() == list(range(10))
 
 
 def _indexed_only(monkeypatch_modules):
