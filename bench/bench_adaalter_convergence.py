@@ -65,7 +65,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
 from adaalter_tables import family_and_period, report, table  # noqa: E402
-from bench_fashion_mnist import cnn, evaluate  # noqa: E402
+from bench_fashion_mnist import cnn, epoch_order, evaluate, rank_shard  # noqa: E402
 from bench_models import CharLSTM  # noqa: E402
 from ddp_hooks import build_local_adaalter, build_local_sgd, build_sync_adagrad  # noqa: E402
 from ddp_hooks.testing import run_distributed  # noqa: E402
@@ -166,15 +166,15 @@ def load(task, world, quick):
 
 def train_one(rank, world, task, data, run, args, seed):
     xs, ys = data["examples"]
-    shard = len(ys) // world
-    xs, ys = xs[rank * shard:(rank + 1) * shard], ys[rank * shard:(rank + 1) * shard]
+    xs, ys = rank_shard(xs, ys, rank, world)
+    shard = len(ys)
     ddp = DDP(data["make"](seed))
     opt, after_step = build(ddp, run, args.hp)
     steps = STEPS_TOTAL // world
     curve, losses = [], []
     start = time.perf_counter()
     for epoch in range(args.epochs):
-        order = torch.randperm(shard, generator=torch.Generator().manual_seed(10_000 * seed + 100 * rank + epoch))
+        order = epoch_order(shard, seed, rank, epoch)
         losses = []
         for s in range(steps):
             idx = order[s * 32:(s + 1) * 32]

@@ -40,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
+from bench_fashion_mnist import epoch_order, rank_shard  # noqa: E402
 from bench_models import fmnist_cnn  # noqa: E402
 from cluster_plan import Method  # noqa: E402
 from cluster_worker import PerBucketGroups, run_as_host  # noqa: E402
@@ -100,8 +101,8 @@ def train_curve(rank: int, world: int, spec: dict) -> dict:
     torch.set_num_threads(1)
     method = Method(**spec["method"])
     x_train, y_train, x_test, y_test = _load(spec.get("data_dir"), spec["train"])
-    shard = len(y_train) // world
-    xs, ys = x_train[rank * shard:(rank + 1) * shard], y_train[rank * shard:(rank + 1) * shard]
+    xs, ys = rank_shard(x_train, y_train, rank, world)
+    shard = len(ys)
     per_epoch = steps_per_epoch(len(y_train), world)
     total = spec["epochs"] * per_epoch
     torch.manual_seed(spec["seed"])
@@ -120,8 +121,7 @@ def train_curve(rank: int, world: int, spec: dict) -> dict:
     for step in range(total):
         epoch, index = divmod(step, per_epoch)
         if index == 0:
-            order = torch.randperm(shard, generator=torch.Generator().manual_seed(
-                10_000 * spec["seed"] + 100 * rank + epoch))
+            order = epoch_order(shard, spec["seed"], rank, epoch)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(method, step, total)
         batch = order[index * BATCH:(index + 1) * BATCH]

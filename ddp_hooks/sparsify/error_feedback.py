@@ -134,14 +134,13 @@ def fold_step(grad: torch.Tensor, positions: torch.Tensor, residual: ResidualCha
         fill_if(grad, discard, 0.0, sync_free=True)
         if residual.decay is not None:
             fill_if(residual.decay, discard, 0.0, sync_free=True)
-    if whole:
-        pass  # e is overwritten at every position below
-    elif inv_scale is not None and beta == 1.0:
-        e.addcmul_(grad, inv_scale)
-    else:
-        e.add_(grad if inv_scale is None else grad * inv_scale, alpha=beta)
-    if residual.decay is not None and not whole:
-        e.add_(residual.decay, alpha=beta)
+    if not whole:  # (sent whole, e is overwritten at every position below)
+        if inv_scale is not None and beta == 1.0:
+            e.addcmul_(grad, inv_scale)
+        else:
+            e.add_(grad if inv_scale is None else grad * inv_scale, alpha=beta)
+        if residual.decay is not None:
+            e.add_(residual.decay, alpha=beta)
     # positions whose states keep their values (a parameter without a gradient; on a device, a discarded step);
     # they had no gradient added (an idle parameter's is 0, a discarded step's was zeroed): e before
     frozen = idle if on_host else (discard if idle is None else idle | discard)

@@ -99,7 +99,7 @@ class LastUpdates:
         if not positions.numel():
             return
         starts = torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=positions.device)
-        owner = torch.searchsorted(starts, positions, right=True) - 1
+        owner = owners(starts, positions, positions.numel(), whole=False)
         for i, (key, offset, _) in enumerate(layout):
             mine = owner == i
             if bool(mine.any()):

@@ -43,7 +43,7 @@ def test_every_position_is_one_tensor_while_held():
     assert positions.every_position(10, torch.device("cpu")).tolist() == list(range(10))
 
 
-def _indexed_only(monkeypatch_modules):
+def _indexed_only(patched):
     """Make every operation of the hook take its indexed path, whatever the step says."""
     from ddp_hooks.sparsify import commit, error_feedback, exchange, last_update
 
@@ -56,11 +56,11 @@ def _indexed_only(monkeypatch_modules):
     for module in (exchange, error_feedback, last_update):
         for name, function in general.items():
             if hasattr(module, name):
-                monkeypatch_modules.append((module, name, getattr(module, name)))
+                patched.append((module, name, getattr(module, name)))
                 setattr(module, name, function)
     for name in ("fold_step", "present_update"):
         original = getattr(commit, name)
-        monkeypatch_modules.append((commit, name, original))
+        patched.append((commit, name, original))
         setattr(commit, name, lambda *args, _f=original, whole=False, **kwargs: _f(*args, whole=False, **kwargs))
 
 
