@@ -7,7 +7,11 @@ Here :func:`launch` takes one :class:`Piece` of work (a bucket, or with
 positions, forms the values to send there and starts the collective; it
 leaves every per-rank state untouched. It returns a :class:`Flight`: what
 the end of the step (:mod:`.commit`) needs to apply the exchange once it has
-finished. What the exchange does depends on what the selector states
+finished. It runs in two halves, :func:`start` (the selection, whose own
+collectives a selector may leave in flight: :class:`~.selectors.Choice`) and
+:func:`send` (the values and their collective), so that the hook can start
+the next bucket's selection before it waits for this one's positions. What
+the exchange does depends on what the selector states
 (:mod:`.selectors.base`), never on its name: AllReduce of the values when
 every rank chose the same positions; AllGather otherwise, with each rank's
 positions when they cannot be recomputed elsewhere.
@@ -28,9 +32,10 @@ from .._internal.seeding import SHARED
 from .error_feedback import ResidualChange, VelocityChange, carried, compensated
 from .nonfinite import fill_if, holds_nonfinite
 from .positions import every_position, gather, owners, put
-from .selectors import SelectionRequest, Unit
+from .selectors import Choice, SelectionRequest, Unit
 
-__all__ = ["Piece", "Flight", "Result", "launch", "gather_outweighs_allreduce", "sends_everything", "position_dtype"]
+__all__ = ["Piece", "Flight", "Result", "Started", "launch", "start", "send", "gather_outweighs_allreduce",
+           "sends_everything", "position_dtype"]
 
 # What an exchange yields once it has finished: whether any rank sent a
 # non-finite value, and how to write the average into an all-zero target
@@ -107,6 +112,16 @@ def sends_everything(options, density: float, world_size: int, value_bytes: int,
     return gather_outweighs_allreduce(density, world_size, value_bytes, index_bytes)
 
 
+class Started(NamedTuple):
+    """A piece whose selection has started (:func:`start`): what :func:`send` needs to finish it."""
+
+    piece: Piece
+    request: SelectionRequest
+    choice: Choice  # this rank's positions, possibly still waiting for the selector's collectives
+    everything: bool
+    shared: bool  # every rank sends at the same positions: AllReduce
+
+
 def launch(state, piece: Piece, *, step: int, density: float, everything: bool = False) -> Flight:
     """Select, pack and start the collective of ``piece``; the per-rank states are left untouched.
 
@@ -115,24 +130,42 @@ def launch(state, piece: Piece, *, step: int, density: float, everything: bool =
     send every position (a warm-up step with momentum or weight decay in
     the hook). Under AllGather every position is also sent, by AllReduce,
     where the gather would move more bytes (:func:`sends_everything`).
+    :func:`start` then :func:`send`, at once.
     """
-    grad, residual, velocity, decay = piece.grad, piece.residual, piece.velocity, piece.decay
+    return send(state, start(state, piece, step=step, density=density, everything=everything))
+
+
+def start(state, piece: Piece, *, step: int, density: float, everything: bool = False) -> Started:
+    """The first half of :func:`launch`: start the selection (a selector's own collectives are left in flight)."""
+    grad, residual, decay = piece.grad, piece.residual, piece.decay
     group, rank, world = state.binding
-    selector, scale = state.selector, state.run.scale
+    selector = state.selector
     everything = everything or sends_everything(state.options, density, world, grad.element_size(), grad.numel())
     shared = everything or state.options.aggregation == "allreduce"
     request = SelectionRequest(units=piece.units, density=density, seed=state.options.seed, step=step,
                                rank=SHARED if shared else rank, device=grad.device, group=group, world_size=world)
     if everything:
-        positions = every_position(grad.numel(), grad.device)
+        choice = Choice.ready(every_position(grad.numel(), grad.device))
     else:
         if selector.reads_values:  # |p| in memory kept from step to step
             magnitude, mask = state.scratch.take(grad.numel(), grad.device)
-            compensated(grad, carried(residual, decay), scale, out=magnitude).abs_()
+            compensated(grad, carried(residual, decay), state.run.scale, out=magnitude).abs_()
             request = request._replace(magnitude=magnitude, scratch_mask=mask)
-        positions = selector.select(request)
+        choice = selector.start(request)
         if selector.communicates:  # count the bytes of the selector's own collectives
             state.counters.add(0, selector.agreement_bytes(request), 0, 0)
+    # |p| is scratch memory that the next piece's selection reuses: the request kept for send() forgets it
+    return Started(piece=piece, request=request._replace(magnitude=None, scratch_mask=None), choice=choice,
+                   everything=everything, shared=shared)
+
+
+def send(state, started: Started) -> Flight:
+    """The second half of :func:`launch`: wait for the positions, pack the values and start the collective."""
+    piece, request, everything, shared = started.piece, started.request, started.everything, started.shared
+    grad, residual, velocity, decay = piece.grad, piece.residual, piece.velocity, piece.decay
+    group, rank, world = state.binding
+    selector, scale = state.selector, state.run.scale
+    positions = started.choice.wait()
     # p at the chosen positions only (the same float operations as the whole p); sent whole, the states
     # themselves, read here and by the commit before it writes them
     before = None if residual is None else gather(residual, positions, everything)

@@ -101,13 +101,13 @@ import torch.distributed as dist
 from .._internal.collectives import allreduce_mean
 from .._internal.validation import check_hook_call
 from .commit import commit
-from .exchange import Piece, launch
+from .exchange import Piece, send, start
 from .last_update import UpdateRecord
 from .layout import GLOBAL_BUCKET, Layout
 from .nonfinite import scan
 from .selectors import Unit
 from .state import SparsifyState
-from .step_run import StepRun, WaitingBucket
+from .step_run import StartedBucket, StepRun, WaitingBucket
 
 __all__ = ["sparsify_hook"]
 
@@ -151,9 +151,9 @@ def _decay(state: SparsifyState, params: Sequence[torch.Tensor], layout: Layout,
     return decay
 
 
-def _launch(state: SparsifyState, *, index: int, grad: torch.Tensor, layout: Layout, units, starts, marks,
-            decay, dense: bool, density: float):
-    """Launch the exchange of bucket ``index`` (or GLOBAL_BUCKET) with this rank's states for it."""
+def _start(state: SparsifyState, *, index: int, grad: torch.Tensor, layout: Layout, units, starts, marks,
+           decay, dense: bool, density: float) -> StartedBucket:
+    """Start the exchange of bucket ``index`` (or GLOBAL_BUCKET) with this rank's states for it: its selection."""
     residual = velocity = None
     if state.options.error_feedback:
         residual = state.residuals.bucket_residual(index, layout, grad.numel(), grad.device)
@@ -162,10 +162,17 @@ def _launch(state: SparsifyState, *, index: int, grad: torch.Tensor, layout: Lay
         velocity = state.velocities.bucket_residual(index, layout, grad.numel(), grad.device)
     piece = Piece(grad=grad, units=tuple(units), starts=starts, marks=marks, residual=residual, velocity=velocity,
                   decay=decay, momentum=0.0 if momentum is None else momentum)
-    flight = launch(state, piece, step=state.step, density=density, everything=dense)
+    update = None
     if state.counts_momentum_in_sends and not dense:
-        flight.update = UpdateRecord(index, layout, starts, piece.momentum)
-    return flight
+        update = UpdateRecord(index, layout, starts, piece.momentum)
+    return StartedBucket(start(state, piece, step=state.step, density=density, everything=dense), update)
+
+
+def _send(state: SparsifyState, started: StartedBucket) -> None:
+    """Finish a started bucket's exchange (its positions awaited, its values' collective launched): a flight."""
+    flight = send(state, started.exchange)
+    flight.update, flight.result, flight.outputs = started.update, started.result, started.outputs
+    state.run.flights.append(flight)
 
 
 # No `from __future__ import annotations` in this module: DDP's register_comm_hook
@@ -217,24 +224,28 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         if not last:
             return _wait_for_last(run, buffer)
         joined = run.join_waiting(with_decay=options.weight_decay != 0.0)
-        flight = _launch(state, index=GLOBAL_BUCKET, grad=joined.grad, layout=joined.layout,
+        started = _start(state, index=GLOBAL_BUCKET, grad=joined.grad, layout=joined.layout,
                          units=[Unit(0, 0, joined.grad.numel())], starts=joined.starts, marks=joined.marks,
                          decay=joined.decay, dense=False, density=density)
-        flight.outputs = joined.buffers
-        run.flights.append(flight)
+        started.outputs = joined.buffers
+        run.started.append(started)
     else:
         if options.scope == "layer":
             units = [Unit(key, offset, n) for key, offset, n in layout if n]  # an empty one has no budget
         else:
             units = [Unit(index, 0, buffer.numel())]
-        flight = _launch(state, index=index, grad=buffer, layout=layout, units=units, starts=starts, marks=marks,
+        started = _start(state, index=index, grad=buffer, layout=layout, units=units, starts=starts, marks=marks,
                          decay=decay, dense=dense, density=density)
         if not dense:  # where it pays, the result goes to a vector kept at zero between steps
-            flight.result = state.results.for_bucket(index, buffer, gradients, bucket.parameters())
-        run.flights.append(flight)
-        result = buffer if flight.result is None else flight.result.tensor
-        if not last:
-            return _wait_for_last(run, result)
+            started.result = state.results.for_bucket(index, buffer, gradients, bucket.parameters())
+        run.started.append(started)
+        result = buffer if started.result is None else started.result.tensor
+    # Send what has started, in bucket order on every rank; a selection still waiting for its selector's
+    # collectives waits until the next bucket has started its own (or until the last bucket).
+    for earlier in run.take_started(keep_last=not last and started.exchange.choice.waits):
+        _send(state, earlier)
+    if not last:
+        return _wait_for_last(run, result)
     fut = _finish_step(state, result)
     state.end_step(index, compressed=not dense)
     return fut

@@ -5,7 +5,8 @@ starts each bucket's exchange at once but updates the per-rank states and
 writes the results only when the whole step is known (finite or not), at
 the last bucket. A :class:`StepRun`, created at bucket 0
 (:meth:`~ddp_hooks.SparsifyState.begin_step`), holds what lies in between:
-the exchanges launched (:class:`~.exchange.Flight`), the buckets held back
+the exchanges started whose positions are still awaited
+(:class:`StartedBucket`), the exchanges launched (:class:`~.exchange.Flight`), the buckets held back
 for one global exchange (``scope="global"``), the loss scale read at the
 first bucket, and the future every bucket's result waits on.
 
@@ -18,13 +19,24 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .layout import Layout
 
-__all__ = ["StepRun", "WaitingBucket", "JoinedBuckets"]
+__all__ = ["StepRun", "StartedBucket", "WaitingBucket", "JoinedBuckets"]
+
+
+@dataclass
+class StartedBucket:
+    """A bucket's exchange whose selection has started, and what its flight will carry to the commit."""
+
+    exchange: object  # a .exchange.Started
+    update: Optional[object] = None  # a .last_update.UpdateRecord (optimizer momentum counted in sends)
+    result: Optional[object] = None  # a .sparse_output.SparseOutput that receives the result instead of the bucket
+    outputs: Optional[List[torch.Tensor]] = None  # global scope: the bucket buffers that receive the result
 
 
 class WaitingBucket(NamedTuple):
@@ -51,9 +63,10 @@ class JoinedBuckets(NamedTuple):
 class StepRun:
     """Exchanges launched in this backward, buckets waiting for the last one, the loss scale, completion."""
 
-    __slots__ = ("flights", "waiting", "scale", "done")
+    __slots__ = ("started", "flights", "waiting", "scale", "done")
 
     def __init__(self, scale: Optional[torch.Tensor]) -> None:
+        self.started: List[StartedBucket] = []  # in bucket order; sent by the hook a bucket later at most
         self.flights: list = []  # ddp_hooks.sparsify.exchange.Flight, in launch order
         self.waiting: List[WaitingBucket] = []
         self.scale = scale  # the loss scale S as a 0-dim tensor, or None without a grad scaler
@@ -61,8 +74,8 @@ class StepRun:
 
     @property
     def busy(self) -> bool:
-        """True while some exchange or waiting bucket has not been committed."""
-        return bool(self.flights or self.waiting)
+        """True while some exchange (started or launched) or waiting bucket has not been committed."""
+        return bool(self.started or self.flights or self.waiting)
 
     def join_waiting(self, with_decay: bool) -> JoinedBuckets:
         """Take the waiting buckets (leaving none) and lay them end to end."""
@@ -76,6 +89,12 @@ class StepRun:
         decay = torch.cat([w.decay for w in waiting]) if with_decay else None
         return JoinedBuckets(grad=torch.cat(buffers), layout=tuple(layout), starts=torch.cat(starts),
                              marks=torch.cat([w.marks for w in waiting]), decay=decay, buffers=buffers)
+
+    def take_started(self, keep_last: bool) -> List[StartedBucket]:
+        """The started exchanges to send now, in bucket order: all, or all but the newest (``keep_last``)."""
+        cut = len(self.started) - 1 if keep_last else len(self.started)
+        taken, self.started = self.started[:cut], self.started[cut:]
+        return taken
 
     def take_flights(self) -> Tuple[list, torch.futures.Future]:
         """The flights launched (leaving none) and the step's completion future."""

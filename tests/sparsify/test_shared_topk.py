@@ -25,7 +25,7 @@ def test_it_serves_allreduce_only():
 
 
 def _leaders_choose(rank, world, scope):
-    model = DDP(small_mlp())
+    model = DDP(small_mlp(), bucket_cap_mb=0.002)  # several buckets: positions awaited a bucket later
     state = SparsifyState(method="shared_topk", density=0.1, scope=scope, density_warmup_steps=0)
     model.register_comm_hook(state, sparsify_hook)
     params = list(model.module.parameters())
@@ -62,6 +62,7 @@ def _leaders_choose(rank, world, scope):
 
 @pytest.mark.parametrize("scope", ["layer", "bucket"])
 def test_every_rank_sends_at_its_leaders_top_k_positions(scope):
+    """Checked layer by layer over several buckets, so also for positions awaited a bucket after their own."""
     (leads, sent_bytes, elements), (_, other_bytes, _) = run_distributed(_leaders_choose, 2, scope)
     if scope == "layer":
         assert sorted(set(leads)) == [0, 1]  # both ranks lead some layers
@@ -106,3 +107,54 @@ def test_positions_travel_exactly_in_their_smallest_code():
     # (656 positions), rank 1 unit 1 (1), rank 2 unit 2 (400), as int16; second case: rank 1 leads unit 4
     # (656), rank 2 unit 5 (1), as int32 (65,537 entries do not fit int16)
     assert [c[:2] for c in counts] == [[656 * 2, 0], [1 * 2, 656 * 4], [400 * 2, 1 * 4]]
+
+
+def _when_positions_are_awaited(rank, world):
+    from ddp_hooks.sparsify.selectors import Choice
+    from ddp_hooks.sparsify.selectors.shared_topk import SharedTopK
+    events = []
+    begin = SharedTopK.begin
+
+    def logged_begin(self, request, ks):
+        choice, unit = begin(self, request, ks), request.units[0].key
+        assert choice.waits  # the broadcasts are in flight
+
+        def logged_wait():
+            events.append(("wait", unit))
+            return choice.wait()
+
+        return Choice(logged_wait)
+
+    SharedTopK.begin = logged_begin
+    try:
+        model = DDP(small_mlp(), bucket_cap_mb=0.002)
+        state = SparsifyState(method="shared_topk", density=0.1, density_warmup_steps=0)
+
+        def hook(state, bucket):
+            events.append(("hook", state.layouts.key_of(bucket.parameters()[0]), bucket.is_last()))
+            return sparsify_hook(state, bucket)
+
+        model.register_comm_hook(state, hook)
+        for step in range(3):  # the first step runs on DDP's initial buckets, the others on the rebuilt ones
+            events.clear()
+            model.zero_grad()
+            model(batch(rank, step)).square().mean().backward()
+    finally:
+        SharedTopK.begin = begin
+    return events
+
+
+def test_a_buckets_positions_are_awaited_at_the_next_bucket():
+    """The hook leaves the leaders' broadcasts in flight while the backward pass goes on: bucket b's positions
+    are awaited in bucket b + 1's hook call (after b + 1's own broadcasts started), the last bucket's in its own."""
+    for events in run_distributed(_when_positions_are_awaited, 2):
+        hooks = [e for e in events if e[0] == "hook"]
+        assert len(hooks) >= 2, events  # several buckets
+        expected = []
+        for i, (_, key, last) in enumerate(hooks):
+            expected.append(hooks[i])
+            if i > 0:
+                expected.append(("wait", hooks[i - 1][1]))
+            if last:
+                expected.append(("wait", key))
+        assert events == expected

@@ -9,12 +9,13 @@
   per unit, rotating over the ranks, used by all (AllReduce).
 
 :mod:`.base` says what a selector is and states for the exchange;
-:mod:`.registry` lists them. Pure tensor functions: no ``torch.distributed``.
+:mod:`.registry` lists them. Pure tensor functions, but for shared top-k's
+broadcasts of its leaders' positions.
 """
 
-from .base import SelectionRequest, Selector, Unit, budget, budgets, total_budget
+from .base import Choice, SelectionRequest, Selector, Unit, budget, budgets, total_budget
 from .registry import (BUILT_IN, register_selector, select, selector_by_code, selector_class, selector_for,
                        selector_names)
 
-__all__ = ["Unit", "budget", "budgets", "total_budget", "SelectionRequest", "Selector", "BUILT_IN",
+__all__ = ["Unit", "budget", "budgets", "total_budget", "SelectionRequest", "Choice", "Selector", "BUILT_IN",
            "register_selector", "select", "selector_by_code", "selector_class", "selector_for", "selector_names"]

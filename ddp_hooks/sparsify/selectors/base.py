@@ -23,6 +23,10 @@ know (so the exchange never compares names):
   (:func:`~ddp_hooks.check_optimizer`).
 * ``code``: the int a checkpoint stores for it; never reused, so adding or
   reordering selectors cannot change what a saved state means.
+* ``communicates``: it agrees on positions through collectives of its own
+  (shared top-k). Its :meth:`Selector.begin` may leave them in flight: the
+  hook starts the next bucket's selection before it waits for them, so a
+  rank does not stand idle in the hook while the other ranks catch up.
 
 Adding a selector is one file with its subclass and one line in
 :mod:`.registry` (or a call to :func:`~.registry.register_selector`).
@@ -44,13 +48,13 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, ClassVar, NamedTuple, Optional, Tuple
+from typing import Any, Callable, ClassVar, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..._internal.seeding import SHARED
 
-__all__ = ["Unit", "budget", "budgets", "total_budget", "SelectionRequest", "Selector"]
+__all__ = ["Unit", "budget", "budgets", "total_budget", "SelectionRequest", "Choice", "Selector"]
 
 
 class Unit(NamedTuple):
@@ -100,11 +104,56 @@ class SelectionRequest(NamedTuple):
         return self.device if self.device is not None else self.magnitude.device
 
 
+class Choice:
+    """Positions being chosen: ready, or waiting for a selector's own collectives; :meth:`wait` gives them.
+
+    Example::
+
+        >>> import torch
+        >>> Choice.ready(torch.tensor([3, 5])).wait().tolist()
+        [3, 5]
+        >>> later = Choice.joined([Choice.ready(torch.tensor([1])), Choice(lambda: torch.tensor([7, 9]))])
+        >>> later.waits, later.wait().tolist(), later.waits
+        (True, [1, 7, 9], False)
+    """
+
+    __slots__ = ("_positions", "_finish")
+
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self._positions: Optional[torch.Tensor] = None
+        self._finish: Optional[Callable[[], torch.Tensor]] = finish  # waits for the collectives, returns positions
+
+    @classmethod
+    def ready(cls, positions: torch.Tensor) -> "Choice":
+        choice = cls.__new__(cls)
+        choice._positions, choice._finish = positions, None
+        return choice
+
+    @classmethod
+    def joined(cls, parts: Sequence["Choice"]) -> "Choice":
+        """The parts' positions end to end; waiting only if some part waits."""
+        if not any(part.waits for part in parts):
+            return cls.ready(torch.cat([part.wait() for part in parts]))
+        return cls(lambda: torch.cat([part.wait() for part in parts]))
+
+    @property
+    def waits(self) -> bool:
+        """True while the positions depend on collectives not yet waited for."""
+        return self._finish is not None
+
+    def wait(self) -> torch.Tensor:
+        """The positions (int64, 1-D), once the collectives they need have finished."""
+        if self._finish is not None:
+            self._positions, self._finish = self._finish(), None
+        return self._positions
+
+
 class Selector:
     """Base of the coordinate selectors: class attributes for the exchange, :meth:`choose` for the work.
 
     Subclasses set the class attributes (see the module docstring) and
-    implement :meth:`choose`; :meth:`select` handles what is common to all:
+    implement :meth:`choose` (or :meth:`begin`, to leave collectives in
+    flight); :meth:`start` and :meth:`select` handle what is common to all:
     a request whose budgets cover every unit sends everything, in order (so
     ``density=1`` reproduces a plain allreduce bit for bit), and units out of
     position order are chosen one at a time.
@@ -131,10 +180,21 @@ class Selector:
 
     def select(self, request: SelectionRequest) -> torch.Tensor:
         """Positions (int64, 1-D): the concatenation over units of each unit's ``budget`` positions."""
-        parts = [self.choose(part, ks) if ks is not None
-                 else torch.cat([torch.arange(u.offset, u.offset + u.numel, device=part.where) for u in part.units])
+        return self.start(request).wait()
+
+    def start(self, request: SelectionRequest) -> Choice:
+        """:meth:`select`, with the selector's own collectives (if any) left in flight until ``wait()``."""
+        parts = [self.begin(part, ks) if ks is not None
+                 else Choice.ready(torch.cat([torch.arange(u.offset, u.offset + u.numel, device=part.where)
+                                              for u in part.units]))
                  for part, ks in self._parts(request)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return parts[0] if len(parts) == 1 else Choice.joined(parts)
+
+    def begin(self, request: SelectionRequest, ks: Tuple[int, ...]) -> Choice:
+        """:meth:`choose` as a :class:`Choice`. A selector that ``communicates`` overrides it to leave its
+        collectives in flight; it must be done with ``request.magnitude`` and ``request.scratch_mask`` when
+        it returns (the next bucket reuses them)."""
+        return Choice.ready(self.choose(request, ks))
 
     def agreement_bytes(self, request: SelectionRequest) -> int:
         """The bytes :meth:`select` hands to collectives of the selector's own for ``request`` (the stats count them)."""

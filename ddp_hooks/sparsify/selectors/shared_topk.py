@@ -29,8 +29,9 @@ The exchange then sends each rank's ``p`` at those positions and sums them
 by AllReduce; error feedback keeps the rest, as for every selector, so every
 gradient reaches the model exactly once. A rank's large entries wait for its
 own turn as leader at most ``W - 1`` steps, unless another leader picks them
-first. The positions collective runs inside the hook call (blocking, one
-small collective per exchange).
+first. The broadcasts are left in flight (:meth:`SharedTopK.begin`): the
+hook waits for a bucket's positions only at its next bucket, so a rank
+goes on with its backward pass while its leaders catch up.
 
 Example (one process: the rank leads every unit)::
 
@@ -50,7 +51,7 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
-from .base import SelectionRequest, Selector
+from .base import Choice, SelectionRequest, Selector
 from .topk import topk_units
 
 __all__ = ["SharedTopK", "leaders"]
@@ -79,14 +80,18 @@ class SharedTopK(Selector):
     communicates = True
 
     def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
+        return self.begin(request, ks).wait()
+
+    def begin(self, request: SelectionRequest, ks: Tuple[int, ...]) -> Choice:
+        """Select the units this rank leads and start the leaders' broadcasts; ``wait()`` lays the positions out."""
         units, world = request.units, request.world_size
         rank, lead = _rank_and_leaders(request)
         mine = [i for i, leader in enumerate(lead) if leader == rank]
         chosen = self._top_k(request, [units[i] for i in mine], [ks[i] for i in mine])
         if world == 1:
-            return chosen
+            return Choice.ready(chosen)
         dtype, shift = _position_code(units)
-        rows = {}  # each leading rank's positions, relative to their unit, less the shift
+        rows, works = {}, []  # each leading rank's positions, relative to their unit, less the shift
         for r in sorted(set(lead)):  # one broadcast per leading rank, in rank order on every rank
             if r == rank:
                 row = (chosen - _unit_starts([units[i] for i in mine], [ks[i] for i in mine], request.where)
@@ -95,16 +100,23 @@ class SharedTopK(Selector):
                 row = torch.empty(sum(k for k, leader in zip(ks, lead) if leader == r), dtype=dtype,
                                   device=request.where)
             # as bytes: a broadcast only moves them, and gloo refuses int16
-            dist.broadcast(row.view(torch.uint8), dist.get_global_rank(request.group, r), group=request.group)
+            works.append(dist.broadcast(row.view(torch.uint8), dist.get_global_rank(request.group, r),
+                                        group=request.group, async_op=True))
             rows[r] = row
-        # back to unit order: unit i's positions are the next ks[i] of its leader's row
-        taken = dict.fromkeys(rows, 0)
-        parts = []
-        for k, leader in zip(ks, lead):
-            parts.append(rows[leader][taken[leader]:taken[leader] + k])
-            taken[leader] += k
-        relative = torch.cat(parts).long() + shift
-        return relative + _unit_starts(units, ks, request.where)
+
+        def positions() -> torch.Tensor:
+            for work in works:
+                work.wait()
+            # back to unit order: unit i's positions are the next ks[i] of its leader's row
+            taken = dict.fromkeys(rows, 0)
+            parts = []
+            for k, leader in zip(ks, lead):
+                parts.append(rows[leader][taken[leader]:taken[leader] + k])
+                taken[leader] += k
+            relative = torch.cat(parts).long() + shift
+            return relative + _unit_starts(units, ks, request.where)
+
+        return Choice(positions)
 
     def selection_bytes(self, request: SelectionRequest, ks: Tuple[int, ...]) -> int:
         """This rank's share of the positions collectives: the positions it broadcasts as a leader."""
