@@ -126,3 +126,21 @@ def test_world_size_is_validated(bad):
         run_distributed(_allreduce_rank, bad)
     with pytest.raises(ValueError, match="`grace` must be a positive number of seconds"):
         run_distributed(_allreduce_rank, 1, grace=bad if bad != 1.5 else -1.5)
+
+
+def _environment_and_state(rank, world_size, name):
+    return os.environ.get(name), dist.is_initialized(), torch.distributed.get_world_size()
+
+
+def test_children_get_the_environment_of_the_call_and_a_fresh_process_group():
+    """Children start from a process made before this call (a forkserver): they still see the environment as it
+    is at the call, and join their own group."""
+    run_distributed(_allreduce_rank, 2)  # the forkserver (if any) is running from here on
+    name = "DDP_HOOKS_TEST_VARIABLE"
+    for value in ("one", "two"):
+        os.environ[name] = value
+        try:
+            assert run_distributed(_environment_and_state, 2, name) == [(value, True, 2)] * 2
+        finally:
+            del os.environ[name]
+    assert run_distributed(_environment_and_state, 2, name) == [(None, True, 2)] * 2

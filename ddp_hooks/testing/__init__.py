@@ -15,8 +15,11 @@ that downstream code can test its hooks the same way::
 
 Design (each point is a trap some harness fell into):
 
-* ``spawn`` start method, so children never inherit a half-initialised torch
-  or process group from the parent.
+* Children start from a forkserver that has imported torch and done nothing
+  else (``spawn`` where there is no forkserver), so they never inherit a
+  half-initialised torch or process group from the parent, and do not each
+  spend seconds importing torch; each gets the parent's environment as it
+  is at the call.
 * The rendezvous is a ``FileStore`` in a fresh temporary folder: no port to
   collide with a concurrent test run.
 * Children are joined against one deadline; when it passes, every live child
