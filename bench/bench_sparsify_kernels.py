@@ -181,12 +181,21 @@ def test_sends_everything(benchmark, label):
     vars(bucket).clear()
 
 
+@pytest.mark.parametrize("dead_first", [False, True], ids=["scan", "scan-first-entries-zero"])
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("mb", SIZES_MB)
-def test_scan(benchmark, mb, density):
-    """The finiteness and idle scan alone (part of every hook row): one read of the gradient."""
+def test_scan(benchmark, mb, density, dead_first):
+    """The finiteness and idle scan alone (part of every hook row): one read of the gradient.
+
+    ``first-entries-zero``: every layer's first entry is zero, as where a
+    weight matrix's first input feature is dead (a border pixel after ReLU
+    and pooling, a token not in the batch), so that a scan that looked only
+    there would read every layer whole to tell it from an unused one.
+    """
     benchmark.group = _group(mb, density)
     bucket = KernelBucket(mb, density, "random_block", "layer", "allreduce")
+    if dead_first:
+        bucket.source[bucket.starts] = 0.0
     bucket.refill()
     _run_with_own_floor(benchmark, lambda: scan(bucket.grad, bucket.views, bucket.starts), bucket.refill,
                         bucket.grad.numel())

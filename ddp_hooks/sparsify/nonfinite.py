@@ -36,8 +36,9 @@ def scan(buffer: torch.Tensor, gradients: Sequence[torch.Tensor], starts: torch.
     On the CPU, for float32 and float64, one read pass over the bucket:
     ``sum(buffer)`` is finite iff every entry is (an inf or NaN propagates
     into the sum; a sum that overflows is measured again per parameter), and
-    a parameter whose first entry is non-zero has a gradient; only the rare
-    parameter whose first entry is zero is read whole. The sum reads one
+    a parameter whose first entry is non-zero has a gradient; the rare
+    parameter whose first entry is zero is looked at in 8 more entries
+    spread over it, and read whole only if they are all zero. The sum reads one
     vector, where the ``residual.add_(grad)`` that error feedback needs
     anyway reads two and writes one. Elsewhere, and for half precision, a
     parameter's mark comes from its ``max |g|`` (``aminmax``), with no host
@@ -54,9 +55,25 @@ def scan(buffer: torch.Tensor, gradients: Sequence[torch.Tensor], starts: torch.
     for i, g in enumerate(gradients):
         if not g.numel():  # its start is the next parameter's (or past the end)
             marks[i] = 0.0
-    for i in torch.nonzero(marks == 0).squeeze(1).tolist():  # usually only empty ones: read the others whole
-        marks[i] = float(bool(gradients[i].any()))
+    zero_first = [i for i in torch.nonzero(marks == 0).squeeze(1).tolist() if gradients[i].numel()]
+    if zero_first:  # rare: look at 8 more entries of each, then read whole those where all are zero
+        base, spread = buffer.storage_offset(), []
+        for i in zero_first:
+            g = gradients[i]
+            spread += [g.storage_offset() - base + int(f * g.numel()) for f in _SPREAD]
+        seen = buffer.index_select(0, torch.tensor(spread, dtype=torch.int64)).view(len(zero_first), -1).any(1)
+        marks.index_copy_(0, torch.tensor(zero_first, dtype=torch.int64), seen.float())
+        for i, found in zip(zero_first, seen.tolist()):
+            if not found:
+                marks[i] = float(bool(gradients[i].any()))
     return marks
+
+
+# Golden-ratio fractions of a parameter's length, 0.618, 0.236, 0.854, ...: where a parameter whose first entry
+# is zero is looked at before it is read whole. Halves and quarters would fall in the first column of a weight
+# matrix, which a dead input feature (a border pixel after ReLU and pooling, a token not in the batch) keeps at
+# zero at every step.
+_SPREAD = [(j * 0.6180339887498949) % 1.0 for j in range(1, 9)]
 
 
 def _marks(magnitudes: torch.Tensor) -> torch.Tensor:

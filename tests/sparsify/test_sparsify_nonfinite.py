@@ -166,14 +166,16 @@ def test_scan_tells_zero_finite_and_nonfinite_gradients_apart():
     from ddp_hooks.sparsify.nonfinite import scan
 
     late = torch.zeros(6)
-    late[4] = -2.0  # first entry zero, gradient not: the scan must read the whole parameter
+    late[4] = -2.0  # first entry zero, gradient not: found among the entries spread over the parameter
+    hidden = torch.zeros(10, 10)
+    hidden[5, 0] = 3.0  # first entry and the spread entries zero: found only by reading the whole parameter
     nan, inf = torch.ones(5), torch.ones(2, 2)
     nan[1], inf[0, 1] = float("nan"), float("-inf")
     big = torch.full((4, 3), 1e20)  # finite, but its squares overflow float32
     huge = torch.full((3,), 3e38)  # finite, but its float32 sum overflows: measured again per parameter
     cases = {  # name: (gradients, expected marks; None for NaN)
-        "finite": ([torch.zeros(7), big, torch.randn(3), torch.zeros(0), late, torch.full((2,), 1e-30)],
-                   [0, 1, 1, 0, 1, 1]),
+        "finite": ([torch.zeros(7), big, torch.randn(3), torch.zeros(0), late, torch.full((2,), 1e-30), hidden],
+                   [0, 1, 1, 0, 1, 1, 1]),
         "nan and inf": ([torch.zeros(7), nan, torch.randn(3), inf, late], [0, None, 1, None, 1]),
         "sum overflows": ([huge, torch.zeros(2), torch.randn(3)], [1, 0, 1]),
         "empty last": ([torch.randn(3), torch.zeros(0)], [1, 0]),
