@@ -24,7 +24,10 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .exchange import Flight, Started
+from .last_update import UpdateRecord
 from .layout import Layout
+from .sparse_output import SparseOutput
 
 __all__ = ["StepRun", "StartedBucket", "WaitingBucket", "JoinedBuckets"]
 
@@ -33,9 +36,9 @@ __all__ = ["StepRun", "StartedBucket", "WaitingBucket", "JoinedBuckets"]
 class StartedBucket:
     """A bucket's exchange whose selection has started, and what its flight will carry to the commit."""
 
-    exchange: object  # a .exchange.Started
-    update: Optional[object] = None  # a .last_update.UpdateRecord (optimizer momentum counted in sends)
-    result: Optional[object] = None  # a .sparse_output.SparseOutput that receives the result instead of the bucket
+    exchange: Started
+    update: Optional[UpdateRecord] = None  # optimizer momentum counted in sends
+    result: Optional[SparseOutput] = None  # receives the result instead of the bucket
     outputs: Optional[List[torch.Tensor]] = None  # global scope: the bucket buffers that receive the result
 
 
@@ -67,7 +70,7 @@ class StepRun:
 
     def __init__(self, scale: Optional[torch.Tensor]) -> None:
         self.started: List[StartedBucket] = []  # in bucket order; sent by the hook a bucket later at most
-        self.flights: list = []  # ddp_hooks.sparsify.exchange.Flight, in launch order
+        self.flights: List[Flight] = []  # in launch order
         self.waiting: List[WaitingBucket] = []
         self.scale = scale  # the loss scale S as a 0-dim tensor, or None without a grad scaler
         self.done: torch.futures.Future = torch.futures.Future()  # set once the step is committed

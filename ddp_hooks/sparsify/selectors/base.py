@@ -119,15 +119,18 @@ class Choice:
 
     __slots__ = ("_positions", "_finish")
 
-    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
-        self._positions: Optional[torch.Tensor] = None
-        self._finish: Optional[Callable[[], torch.Tensor]] = finish  # waits for the collectives, returns positions
+    def __init__(self, finish: Optional[Callable[[], torch.Tensor]] = None, *,
+                 positions: Optional[torch.Tensor] = None) -> None:
+        if (finish is None) == (positions is None):
+            raise TypeError("Choice takes exactly one of `finish` (waits for the collectives and returns the "
+                            "positions) and `positions` (already chosen)")
+        self._positions = positions
+        self._finish = finish
 
     @classmethod
     def ready(cls, positions: torch.Tensor) -> "Choice":
-        choice = cls.__new__(cls)
-        choice._positions, choice._finish = positions, None
-        return choice
+        """Positions already chosen: :meth:`wait` returns them at once."""
+        return cls(positions=positions)
 
     @classmethod
     def joined(cls, parts: Sequence["Choice"]) -> "Choice":
