@@ -50,6 +50,7 @@ class Method:
     # sparsifiers, when trained (the time-to-accuracy curves): the density warm-up's steps, None for the default;
     # step times are always taken at a constant density
     density_warmup: Optional[int] = None
+    value_dtype: Optional[str] = None  # sparsifiers: the dtype values travel in (None: the gradient's)
 
     @property
     def hook_warmup(self) -> int:
@@ -88,7 +89,8 @@ class Method:
             eps={"adagrad": 1e-10, "local_adaalter": 1.0}.get(self.optimizer), period=self.period,
             lazy_correction=None, outer_lr=1.0, outer_momentum=0.0,  # Local AdaAlter's defaults
             # step times in the steady state: no density warm-up inside the timed windows
-            block_size=SparsifyOptions.block_size, density_warmup_steps=0)  # random-block: the default blocks
+            block_size=SparsifyOptions.block_size, density_warmup_steps=0,  # random-block: the default blocks
+            value_dtype=self.value_dtype)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -20,7 +20,7 @@ report integrates the step time over the warm-up (``tta_report``).
     >>> [m.label for m in curve_methods(quick=True)]
     ['allreduce hook', 'random-block d=0.01']
     >>> len(step_time_methods(curve_methods())), training_args(ADAGRAD_METHODS[0]).eps
-    (26, 1.0)
+    (32, 1.0)
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import List
 from cluster_plan import ADAALTER, ALLREDUCE, FP16, NOOP, POWERSGD, SYNC_ADAGRAD, Method, Run, sparsifier
 
 __all__ = ["MODEL", "HOSTS", "BANDWIDTHS", "DENSITY_GRID", "SGD", "ADAGRAD", "ADAGRAD_METHODS", "curve_methods",
-           "step_time_methods", "step_time_plan", "training_args", "learning_rate", "method_key", "warmup_variants"]
+           "step_time_methods", "step_time_plan", "training_args", "learning_rate", "method_key", "warmup_variants",
+           "value_dtype_variants"]
 
 MODEL = "fmnist-cnn"
 HOSTS = 4
@@ -65,18 +66,28 @@ def warmup_variants() -> List[Method]:
     return [replace(block, label=f"{block.label} warm-up {steps}", density_warmup=steps) for steps in (250, 0)]
 
 
+def value_dtype_variants() -> List[Method]:
+    """Random-block with its values sent as float16 (``value_dtype``; the rounding stays in the residual): half
+    the bytes of every step, the density warm-up's dense early steps included."""
+    blocks = [_labelled(sparsifier("random_block", d, "layer", "allreduce")) for d in (0.01, 0.05)]
+    return [replace(b, label=f"{b.label} float16 values", value_dtype="float16") for b in blocks]
+
+
 def curve_methods(quick: bool = False) -> List[Method]:
     """The methods trained to a curve (the noop hook trains nothing useful and is timed only)."""
     if quick:
         return [ALLREDUCE, _labelled(sparsifier("random_block", 0.01, "layer", "allreduce"))]
     methods = [ALLREDUCE, FP16, POWERSGD[4], POWERSGD[1]]
     methods += [_labelled(m) for d in (0.01, 0.05) for m in _sparsifiers(d)]
-    return methods + list(ADAGRAD_METHODS) + warmup_variants()
+    return methods + list(ADAGRAD_METHODS) + warmup_variants() + value_dtype_variants()
 
 
 def method_key(method: Method) -> str:
-    """What a method's step times are filed under: the selector (timed over the density grid), else the label."""
-    return f"sparsify {method.method} {method.aggregation}" if method.hook == "sparsify" else method.label
+    """What a method's step times are filed under: the selector and its values' dtype (timed over the density
+    grid), else the label."""
+    if method.hook != "sparsify":
+        return method.label
+    return f"sparsify {method.method} {method.aggregation}" + (f" {method.value_dtype}" if method.value_dtype else "")
 
 
 def _as_trained(method: Method) -> Method:
@@ -98,10 +109,13 @@ def _step_time_rows(curves: List[Method]) -> List[Method]:
         if m.hook != "sparsify":
             rows.append(m)
         else:
-            key = (m.method, m.aggregation)
+            key = (m.method, m.aggregation, m.value_dtype)
             lowest[key] = min(lowest.get(key, 1.0), m.density)
-    for (name, aggregation), low in lowest.items():
-        rows += [sparsifier(name, d, "layer", aggregation) for d in DENSITY_GRID if d >= low - 1e-12]
+    for (name, aggregation, value_dtype), low in lowest.items():
+        for d in (d for d in DENSITY_GRID if d >= low - 1e-12):
+            row = sparsifier(name, d, "layer", aggregation)
+            rows.append(row if value_dtype is None else
+                        replace(row, label=f"{row.label} {value_dtype} values", value_dtype=value_dtype))
     return rows
 
 

@@ -21,6 +21,8 @@ import json
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from ddp_hooks.sparsify import SparsifyOptions
 from ddp_hooks.sparsify.exchange import sends_everything
 
@@ -78,8 +80,10 @@ class StepTimes:
             options = sparsify_options(method)
             points = [(r["density"], r["s_per_step"]) for r in rows if r["density"] >= method.density - 1e-12]
 
-            def sends_all(density):  # the hook's path at this density (float32 gradients, HOSTS ranks)
-                return sends_everything(options, density, HOSTS, 4, rows[0]["params"])
+            value_bytes = options.wire_dtype(torch.float32).itemsize  # (float32 gradients)
+
+            def sends_all(density):  # the hook's path at this density (HOSTS ranks)
+                return sends_everything(options, density, HOSTS, value_bytes, rows[0]["params"])
 
             by_path = {path: [p for p in points if sends_all(p[0]) == path] or points for path in (False, True)}
             return sum(interpolate(by_path[sends_all(d)], d) for d in map(options.density_at, range(steps)))
@@ -94,7 +98,7 @@ class StepTimes:
 def sparsify_options(method: Method) -> SparsifyOptions:
     """The hook options a sparsifier of the plan trains with (its density warm-up: None, the default)."""
     return SparsifyOptions(method=method.method, density=method.density, aggregation=method.aggregation,
-                           density_warmup_steps=method.density_warmup)
+                           density_warmup_steps=method.density_warmup, value_dtype=method.value_dtype)
 
 
 def _method_fields(record: dict) -> dict:

@@ -64,6 +64,7 @@ _OWNED_OPTIONS = {
     "aggregation": ("hook", "sparsify", "allreduce"),
     "block_size": ("hook", "sparsify", 4),
     "density_warmup_steps": ("hook", "sparsify", None),  # None: the hook's default (1000)
+    "value_dtype": ("hook", "sparsify", None),  # None: the gradient's dtype
     "powersgd_rank": ("hook", "powersgd", 1),
     "period": ("optimizer", "local_adaalter", 8),
     "lazy_correction": ("optimizer", "local_adaalter", None),  # None: the optimizer's default
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparsify, random_block: entries per block (default: 4)")
     g.add_argument("--density-warmup-steps", type=int, default=None,
                    help="sparsify: steps over which the density falls from 1 to --density (default: 1000)")
+    g.add_argument("--value-dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                   help="sparsify: dtype the sent values travel in; the rounding stays in the residual "
+                        "(default: the gradient's)")
     g.add_argument("--scope", choices=("layer", "bucket", "global"), default=None,
                    help="sparsify: unit that gets its own budget (default: layer)")
     g.add_argument("--aggregation", choices=("allreduce", "allgather"), default=None,

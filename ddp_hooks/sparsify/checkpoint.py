@@ -30,7 +30,8 @@ logger = logging.getLogger("ddp_hooks.sparsify.state")
 STATE_VERSION = 1
 # Options added after version 1 states were first saved, with the values those states imply.
 CONFIG_ADDED_LATER = {"momentum_bits": float_to_bits(0.0), "weight_decay_bits": float_to_bits(0.0),
-                      "density_warmup_steps": 0, "error_feedback_beta_bits": float_to_bits(1.0)}
+                      "density_warmup_steps": 0, "error_feedback_beta_bits": float_to_bits(1.0),
+                      "value_dtype": 0}
 # Options added later still (issue 16) that change which entries are sent or how the result is
 # presented, not what the residuals mean: a state saved without them resumes under any value.
 CONFIG_FREE_IF_ABSENT = ("block_size", "optimizer_momentum")

@@ -140,7 +140,8 @@ def start(state, piece: Piece, *, step: int, density: float, everything: bool = 
     grad, residual, decay = piece.grad, piece.residual, piece.decay
     group, rank, world = state.binding
     selector = state.selector
-    everything = everything or sends_everything(state.options, density, world, grad.element_size(), grad.numel())
+    value_bytes = state.options.wire_dtype(grad.dtype).itemsize
+    everything = everything or sends_everything(state.options, density, world, value_bytes, grad.numel())
     shared = everything or state.options.aggregation == "allreduce"
     request = SelectionRequest(units=piece.units, density=density, seed=state.options.seed, step=step,
                                rank=SHARED if shared else rank, device=grad.device, group=group, world_size=world)
@@ -178,8 +179,9 @@ def send(state, started: Started) -> Flight:
     # lines just read are in cache: grad = -e at the sent positions makes the
     # commit's e + grad exactly 0 there, and spares it a scattered write into e.
     # (grad, the bucket, is overwritten with the result in any case.)
+    wire_dtype = state.options.wire_dtype(grad.dtype)
     cancelled = (before is not None and not everything and decay is None and scale is None
-                 and grad.dtype == torch.float32)
+                 and grad.dtype == torch.float32 and wire_dtype == torch.float32)
     if cancelled:
         put(grad, positions, before.neg(), whole=False)
     velocity_before = owner = None  # owner: the parameter of each position, found once if needed
@@ -200,7 +202,7 @@ def send(state, started: Started) -> Flight:
             idle = no_gradient[owner]
             values.masked_fill_(idle, 0.0)
     sent = None if velocity is None else values.clone()  # `wire` may be `values` itself, divided below
-    wire = values.to(grad.dtype)
+    wire = values.to(wire_dtype)
     flight = Flight(grad=grad, positions=positions, future=None, whole=everything, idle=idle)
     if residual is not None:
         flight.residual = ResidualChange(vector=residual, before=before, cancelled=cancelled, decay=decay,
@@ -237,7 +239,7 @@ def send(state, started: Started) -> Flight:
 
 def _shared_result(positions: torch.Tensor, received: torch.Tensor, whole: bool) -> Result:
     def write(target):
-        put(target, positions, received, whole)
+        put(target, positions, received.to(target.dtype), whole)
         return [positions]
 
     return holds_nonfinite(received), write

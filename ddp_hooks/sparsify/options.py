@@ -22,13 +22,15 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
+
+import torch
 
 from .._internal.codec import bits_to_float, float_to_bits
 from .._internal.validation import check_bool, check_choice, check_float, check_int
 from .selectors import Selector, selector_by_code, selector_class, selector_names
 
-__all__ = ["SparsifyOptions", "SCOPE_CODES", "AGGREGATION_CODES", "OPTIMIZER_MOMENTUM_CODES",
+__all__ = ["SparsifyOptions", "SCOPE_CODES", "AGGREGATION_CODES", "OPTIMIZER_MOMENTUM_CODES", "VALUE_DTYPE_CODES",
            "DEFAULT_DENSITY_WARMUP_STEPS"]
 
 # Checkpoint codes: explicit and never reused, so reordering or adding choices cannot change what a saved
@@ -36,6 +38,7 @@ __all__ = ["SparsifyOptions", "SCOPE_CODES", "AGGREGATION_CODES", "OPTIMIZER_MOM
 SCOPE_CODES = {"layer": 0, "bucket": 1, "global": 2}
 AGGREGATION_CODES = {"allreduce": 0, "allgather": 1}
 OPTIMIZER_MOMENTUM_CODES = {"auto": 0, "sends": 1, "steps": 2}
+VALUE_DTYPE_CODES = {"auto": 0, "float16": 1, "bfloat16": 2, "float32": 3}  # "auto": the gradient's own dtype
 #: ``density_warmup_steps`` when none is given (measured: README, "Convergence on real images").
 DEFAULT_DENSITY_WARMUP_STEPS = 1000
 _INT64_MAX = (1 << 63) - 1
@@ -125,6 +128,17 @@ class SparsifyOptions:
             without (nothing is held back, so nothing leaves late). Nesterov and dampening under ``"sends"`` are refused at
             the optimizer's first step; other optimizers (Adam, ...) get the
             averaged sparse gradient as they would under ``"steps"``.
+        value_dtype (str or torch.dtype): the dtype the values travel in:
+            ``None`` (the default: the gradient's own), ``"float16"``,
+            ``"bfloat16"`` or ``"float32"`` (``torch.float16`` and so on are
+            taken too). With error feedback the rounding to it stays in the
+            residual, ``e = p - round(p)`` at the sent positions, and is sent
+            later; so half values halve the bytes of every exchange (of the
+            density warm-up's dense early steps most) at the cost of rounding
+            that is delayed, not lost. The sum over ranks is taken in that
+            dtype, as PyTorch's ``fp16_compress_hook`` does (after dividing
+            by the world size); a float16 overflow makes the step's result
+            non-finite, and the step is discarded on every rank.
     """
 
     method: str = "random_block"
@@ -140,6 +154,7 @@ class SparsifyOptions:
     optimizer_momentum: str = "auto"
     density_warmup_steps: Optional[int] = None
     error_feedback_beta: float = 1.0
+    value_dtype: Optional[Union[str, torch.dtype]] = None
     selector: Selector = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -185,6 +200,7 @@ class SparsifyOptions:
                 f"{self.error_feedback!r}): it counts the optimizer's momentum in the error-feedback sends, so "
                 "the hook must run no momentum or weight decay of its own (they stay in the optimizer)"
             )
+        set_("value_dtype", _value_dtype_name(self.value_dtype))
         selector_type = selector_class(self.method)
         if self.aggregation not in selector_type.aggregations:
             allowed = " or ".join(repr(a) for a in selector_type.aggregations)
@@ -201,6 +217,10 @@ class SparsifyOptions:
         if self.optimizer_momentum == "auto":
             return self.error_feedback and self.momentum == 0.0 and self.weight_decay == 0.0
         return self.optimizer_momentum == "sends"
+
+    def wire_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the values of a gradient of ``grad_dtype`` travel in (``value_dtype``)."""
+        return grad_dtype if self.value_dtype is None else getattr(torch, self.value_dtype)
 
     def density_at(self, step: int) -> float:
         """The density of step ``step``: 1 during the warm-up, then ``density_warmup_steps`` of geometric decay."""
@@ -232,6 +252,7 @@ class SparsifyOptions:
             "optimizer_momentum": OPTIMIZER_MOMENTUM_CODES[self.optimizer_momentum],
             "density_warmup_steps": self.density_warmup_steps,
             "error_feedback_beta_bits": float_to_bits(self.error_feedback_beta),
+            "value_dtype": VALUE_DTYPE_CODES[self.value_dtype or "auto"],
         }
 
     @staticmethod
@@ -251,7 +272,25 @@ class SparsifyOptions:
                 + (repr(_name_of(OPTIMIZER_MOMENTUM_CODES, ints['optimizer_momentum']))
                    if 'optimizer_momentum' in ints else "'(not saved)'")
                 + f", density_warmup_steps={ints.get('density_warmup_steps', '(not saved)')}"
-                + f", error_feedback_beta={bits_to_float(ints.get('error_feedback_beta_bits', float_to_bits(1.0))):g}")
+                + f", error_feedback_beta={bits_to_float(ints.get('error_feedback_beta_bits', float_to_bits(1.0))):g}"
+                + ", value_dtype=" + repr(_value_dtype_of_code(ints.get("value_dtype", 0))))
+
+
+def _value_dtype_name(value) -> Optional[str]:
+    """``value_dtype`` checked, as a name (``None`` for the gradient's own dtype)."""
+    if value is None:
+        return None
+    name = str(value).rpartition(".")[2] if isinstance(value, torch.dtype) else value
+    choices = [c for c in VALUE_DTYPE_CODES if c != "auto"]
+    if name not in choices:
+        raise ValueError(f"`value_dtype` must be None or one of {', '.join(repr(c) for c in choices)} (or the "
+                         f"torch dtype of that name), got {value!r}; it is the dtype the sent values travel in")
+    return name
+
+
+def _value_dtype_of_code(code: int) -> Optional[str]:
+    name = _name_of(VALUE_DTYPE_CODES, code)
+    return None if name == "auto" else name
 
 
 #: The constructor arguments of :class:`SparsifyOptions`, in order.

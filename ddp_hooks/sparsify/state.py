@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,8 @@ class SparsifyState:
         momentum, weight_decay (float): the hook's own momentum and weight decay (0, 0).
         optimizer_momentum (str): ``"auto"`` (default), ``"sends"`` or ``"steps"``.
         error_feedback_beta (float): a low-pass filter on the residual, in (0, 1] (1: none).
+        value_dtype (str): the dtype values travel in: ``None`` (the gradient's), ``"float16"``,
+            ``"bfloat16"``, ``"float32"``; the rounding stays in the residual.
         grad_scaler (torch.amp.GradScaler): the scaler of an AMP run, or
             ``None``. Gradients reach the hook multiplied by the loss scale
             ``S``, which the scaler changes between steps; with the scaler
@@ -126,6 +128,7 @@ class SparsifyState:
         optimizer_momentum: str = "auto",
         density_warmup_steps: Optional[int] = None,
         error_feedback_beta: float = 1.0,
+        value_dtype: Optional[Union[str, torch.dtype]] = None,
     ) -> None:
         check_process_group("process_group", process_group)
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
@@ -135,7 +138,7 @@ class SparsifyState:
             method=method, density=density, scope=scope, aggregation=aggregation, error_feedback=error_feedback,
             warmup_steps=warmup_steps, seed=seed, momentum=momentum, weight_decay=weight_decay,
             block_size=block_size, optimizer_momentum=optimizer_momentum, density_warmup_steps=density_warmup_steps,
-            error_feedback_beta=error_feedback_beta)
+            error_feedback_beta=error_feedback_beta, value_dtype=value_dtype)
         if self.options.density == 1.0:
             warnings.warn("SparsifyState: density=1 sends every entry; the hook then costs a plain allreduce "
                           "plus bookkeeping", stacklevel=2)

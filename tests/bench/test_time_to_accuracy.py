@@ -31,8 +31,13 @@ def test_docstring_examples(module):
 def test_step_time_rows_cover_each_selector_down_to_its_lowest_density():
     rows = tta_plan.step_time_methods(tta_plan.curve_methods())
     assert rows[0].label == NOOP.label and len(set(rows)) == len(rows)
+    grid = [0.01, 0.05, 0.1, 0.2, 0.3, 0.99]
     for name in ("topk", "randomk", "random_block"):
-        assert sorted(r.density for r in rows if r.method == name) == [0.01, 0.05, 0.1, 0.2, 0.3, 0.99]
+        assert sorted(r.density for r in rows if r.method == name and r.value_dtype is None) == grid
+    # values sent as float16 change the step time: the variant is timed over the grid as a selector of its own
+    halves = [r for r in rows if r.value_dtype == "float16"]
+    assert sorted(r.density for r in halves) == grid and {r.method for r in halves} == {"random_block"}
+    assert len({tta_plan.method_key(r) for r in halves} & {tta_plan.method_key(r) for r in rows if r not in halves}) == 0
     assert not any(r.hook == "sparsify" and r.label.endswith("d=0.01") for r in rows)  # grid rows: plain labels
     quick = tta_plan.step_time_methods(tta_plan.curve_methods(quick=True))
     assert [r.label for r in quick][:2] == ["noop hook (no exchange)", "allreduce hook"]
@@ -118,8 +123,8 @@ def test_warmup_variants_train_and_are_timed_with_their_own_density_warmup():
     expected = sum(tta_report.interpolate([(1.0, 0.6), (0.1, 0.3), (0.01, 0.15)], 0.01 ** (s / 250))
                    for s in range(250))
     assert times.seconds("1gbit", short, 300) == pytest.approx(expected + 50 * 0.15)
-    # the variants add curves, not cluster rows
-    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 26
+    # the warm-up variants add curves, not cluster rows (the float16-values variant adds its grid of 6)
+    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 26 + 6
 
 
 def _curve(label, method, accuracies, step=100):

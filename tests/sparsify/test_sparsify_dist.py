@@ -150,10 +150,11 @@ def test_density_one_equals_the_allreduce_hook(world_size):
             assert diff < 1e-6, (combo, diff)
 
 
-def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, momentum_in_hook=False, n=3):
+def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, momentum_in_hook=False, value_dtype=None, n=3):
     def build():
         model = DDP(small_mlp(), bucket_cap_mb=0.002)
-        options = dict(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=3, warmup_steps=warmup)
+        options = dict(method=method, density=0.1, scope=scope, aggregation=aggregation, seed=3, warmup_steps=warmup,
+                       value_dtype=value_dtype)
         if momentum_in_hook:  # velocities in the hook state, plain SGD
             st = SparsifyState(momentum=0.9, weight_decay=5e-4, **options)
             model.register_comm_hook(st, sparsify_hook)
@@ -188,18 +189,20 @@ def _resume(rank, world, tmp, method, scope, aggregation, warmup=0, momentum_in_
     return torch.equal(straight, resumed)
 
 
-@pytest.mark.parametrize("method,scope,aggregation,warmup,momentum_in_hook", [
-    ("random_block", "layer", "allreduce", 0, False), ("randomk", "layer", "allgather", 0, False),
-    ("topk", "layer", "allgather", 0, False), ("topk", "global", "allgather", 0, False),
-    ("random_block", "layer", "allreduce", 2, False),  # keys must not depend on when compression starts
+@pytest.mark.parametrize("method,scope,aggregation,warmup,momentum_in_hook,value_dtype", [
+    ("random_block", "layer", "allreduce", 0, False, None), ("randomk", "layer", "allgather", 0, False, None),
+    ("topk", "layer", "allgather", 0, False, None), ("topk", "global", "allgather", 0, False, None),
+    ("random_block", "layer", "allreduce", 2, False, None),  # keys must not depend on when compression starts
     # velocities (SparsifyState(momentum=...)) follow the same path as residuals
-    ("randomk", "layer", "allgather", 0, True), ("random_block", "layer", "allreduce", 2, True),
-    ("topk", "global", "allgather", 0, True),
-    ("shared_topk", "layer", "allreduce", 0, False), ("shared_topk", "global", "allreduce", 0, True),
+    ("randomk", "layer", "allgather", 0, True, None), ("random_block", "layer", "allreduce", 2, True, None),
+    ("topk", "global", "allgather", 0, True, None),
+    ("shared_topk", "layer", "allreduce", 0, False, None), ("shared_topk", "global", "allreduce", 0, True, None),
+    # float16 values: the rounding kept in the residual is state like the rest
+    ("random_block", "layer", "allreduce", 0, False, "float16"), ("topk", "layer", "allgather", 0, True, "float16"),
 ])
-def test_checkpoint_resume_is_exact(tmp_path, method, scope, aggregation, warmup, momentum_in_hook):
+def test_checkpoint_resume_is_exact(tmp_path, method, scope, aggregation, warmup, momentum_in_hook, value_dtype):
     assert run_distributed(_resume, 2, str(tmp_path), method, scope, aggregation, warmup,
-                           momentum_in_hook) == [True, True]
+                           momentum_in_hook, value_dtype) == [True, True]
 
 
 def _mismatch(rank, world):
