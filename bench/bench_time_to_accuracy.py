@@ -117,6 +117,7 @@ def run_wall_clock_part(args, curves_path: str, path: str) -> None:
 def write_report(args) -> None:
     curves, step_times, walls = (args.results + suffix for suffix in ("-curves.jsonl", "-step-times.jsonl",
                                                                       "-wall-clock.jsonl"))
+    step_times = args.step_times or step_times
     missing = [path for path in (curves, step_times) if not os.path.exists(path)]
     if missing:
         print(f"no report yet: {' and '.join(missing)} missing (run --part curves and step-times)")
@@ -152,6 +153,9 @@ def parse_args(argv=None):
                    help="wall-clock: the bandwidths (default both)")
     p.add_argument("--append", action="store_true", help="curves, wall-clock: add to the results file, not replace it")
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default 0)")
+    p.add_argument("--step-times", default=None,
+                   help="--report: the step times to multiply the curves by (default: the results' own); "
+                        "curves of another seed take the main run's")
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST folder (default: Debian's)")
     args = p.parse_args(argv)
     args.command = shlex.join(["python", "bench/bench_time_to_accuracy.py", *(sys.argv[1:] if argv is None else argv)])

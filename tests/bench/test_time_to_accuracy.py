@@ -262,3 +262,21 @@ def test_the_benchmark_lstm_is_the_adaalter_benchmarks_and_fits_the_debian_corpu
     if not os.path.isdir(DEBIAN_FORTUNES):
         pytest.skip("Debian's fortunes files are not installed (apt-get install fortunes)")
     assert len(load_fortunes()[2]) == bench_models.FORTUNES_VOCAB
+
+
+def test_report_of_another_seed_takes_the_main_runs_step_times(tmp_path):
+    """``--report --step-times``: curves of another seed multiplied by the committed run's step times."""
+    import shutil
+
+    import bench_time_to_accuracy
+
+    results = os.path.join(os.path.dirname(BENCH), "bench", "results")
+    shutil.copy(os.path.join(results, "tta-seed1-curves.jsonl"), tmp_path / "other-curves.jsonl")
+    prefix = str(tmp_path / "other")
+    bench_time_to_accuracy.write_report(bench_time_to_accuracy.parse_args(["--report", "--results", prefix]))
+    assert not os.path.exists(prefix + ".md")  # no step times of its own: nothing to multiply by
+    bench_time_to_accuracy.write_report(bench_time_to_accuracy.parse_args(
+        ["--report", "--results", prefix, "--step-times", os.path.join(results, "tta-step-times.jsonl")]))
+    with open(prefix + ".md") as f:
+        text = f.read()
+    assert "| random-block d=0.01 float16 values | 0.102 |" in text and "(not timed)" not in text
