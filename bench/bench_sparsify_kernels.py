@@ -222,8 +222,8 @@ def test_selection(benchmark, mb, density, selector):
     if selector == "topk":  # four steps, as the other row
         shares = [list(range(len(units)))] * 4
     else:
-        shares = [[i for i, leader in enumerate(leaders([u.key for u in units], step, 4)) if leader == 0]
-                  for step in range(4)]
+        keys, sizes = [u.key for u in units], [u.numel for u in units]
+        shares = [[i for i, leader in enumerate(leaders(keys, sizes, step, 4)) if leader == 0] for step in range(4)]
 
     def select():
         for share in shares:

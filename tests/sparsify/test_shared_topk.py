@@ -7,16 +7,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
 from ddp_hooks.sparsify.selectors import budget
-from ddp_hooks.sparsify.selectors.shared_topk import leaders
+from ddp_hooks.sparsify.selectors.shared_topk import SPREAD_FROM, leaders
 from ddp_hooks.testing import run_distributed
 from small_mlp import batch, small_mlp
 
 
 def test_the_leader_rotates_with_the_step_and_across_units():
-    assert leaders([0, 1, 2, 3], step=0, world_size=4) == [0, 1, 2, 3]
-    assert leaders([0, 1, 2, 3], step=1, world_size=4) == [1, 2, 3, 0]
-    # over W steps every rank leads every unit once
-    assert sorted(leaders([5], step=s, world_size=3)[0] for s in range(3)) == [0, 1, 2]
+    big, small = SPREAD_FROM, SPREAD_FROM - 1
+    assert leaders([0, 1, 2, 3], [big] * 4, step=0, world_size=4) == [0, 1, 2, 3]
+    assert leaders([0, 1, 2, 3], [big] * 4, step=1, world_size=4) == [1, 2, 3, 0]
+    # over W steps every rank leads every unit once, large or small
+    for numel in (big, small, 1):
+        assert sorted(leaders([5], [numel], step=s, world_size=3)[0] for s in range(3)) == [0, 1, 2]
+
+
+def test_small_units_share_one_leader_per_step():
+    """Units under SPREAD_FROM entries lead as key 0: a model of small layers waits for one leader a step."""
+    big, small = SPREAD_FROM, SPREAD_FROM - 1
+    assert leaders([1, 2, 3, 6], [small, 10, big, big], step=1, world_size=4) == [1, 1, 0, 3]
+    assert leaders([1, 2, 3], [small, 10, 1], step=2, world_size=4) == [2, 2, 2]
 
 
 def test_it_serves_allreduce_only():
@@ -43,7 +52,7 @@ def _leaders_choose(rank, world, scope):
         sent = [p.grad != 0 for p in params]
         if scope == "layer":  # each layer is a unit, keyed by its parameter's key 
             for p, mask, c in zip(params, sent, compensated):
-                leader = leaders([state.layouts.key_of(p)], step, world)[0]
+                leader = leaders([state.layouts.key_of(p)], [p.numel()], step, world)[0]
                 k = budget(p.numel(), 0.1)
                 mine = torch.zeros(p.numel(), dtype=torch.bool)
                 mine[torch.topk(c.reshape(-1).abs(), k).indices] = True
@@ -91,7 +100,7 @@ def _positions_travel_exactly(rank, world):
                              .sort().values + u.offset for u in units])
             everyone = [torch.empty_like(own) for _ in range(world)]
             dist.all_gather(everyone, own)
-            lead = leaders([u.key for u in units], step, world)
+            lead = leaders([u.key for u in units], [u.numel for u in units], step, world)
             start = 0
             for u, leader in zip(units, lead):
                 k = budget(u.numel, 0.01)
@@ -104,9 +113,9 @@ def _positions_travel_exactly(rank, world):
 def test_positions_travel_exactly_in_their_smallest_code():
     counts = run_distributed(_positions_travel_exactly, 3)
     # each rank counts the positions it broadcasts as a leader. Step 0, first case: rank 0 leads unit 0
-    # (656 positions), rank 1 unit 1 (1), rank 2 unit 2 (400), as int16; second case: rank 1 leads unit 4
-    # (656), rank 2 unit 5 (1), as int32 (65,537 entries do not fit int16)
-    assert [c[:2] for c in counts] == [[656 * 2, 0], [1 * 2, 656 * 4], [400 * 2, 1 * 4]]
+    # (656 positions) and, as they are under SPREAD_FROM entries, units 1 (1) and 2 (400), as int16; second
+    # case: rank 1 leads unit 4 (656), rank 0 the small unit 5 (1), as int32 (65,537 entries do not fit int16)
+    assert [c[:2] for c in counts] == [[(656 + 1 + 400) * 2, 1 * 4], [0, 656 * 4], [0, 0]]
 
 
 def _when_positions_are_awaited(rank, world):

@@ -6,7 +6,8 @@
   of ``block_size`` consecutive positions, every coordinate sent with
   probability exactly ``k / n``.
 * ``shared_topk`` (:mod:`.shared_topk`): one leader rank's top-k positions
-  per unit, rotating over the ranks, used by all (AllReduce).
+  per unit, rotating over the ranks (small units share one leader per
+  step), used by all (AllReduce).
 
 :mod:`.base` says what a selector is and states for the exchange;
 :mod:`.registry` lists them. Pure tensor functions, but for shared top-k's

@@ -13,6 +13,9 @@ Per unit ``u`` (a layer, a bucket, or all buckets) and step ``t``:
 1. **Leader.** ``leader = (t + key_u) mod W`` (:func:`leaders`): it rotates
    with the step and, in layer scope, across the units of a step, so each
    rank selects for ``1 / W`` of the units on average over ``W`` steps.
+   Units of fewer than ``SPREAD_FROM`` entries (2^16) all follow key 0
+   instead: their selection costs less than the wait for one more leader's
+   broadcast, so the small layers of a step share one leader.
 2. **Select.** The leader takes the top ``k_u`` of ``|p|``, its own
    error-corrected gradient ``p = g + e`` (exact, as :mod:`.topk`).
 3. **Share.** Every rank receives the leaders' positions: one
@@ -54,18 +57,26 @@ import torch.distributed as dist
 from .base import Choice, SelectionRequest, Selector
 from .topk import topk_units
 
-__all__ = ["SharedTopK", "leaders"]
+__all__ = ["SharedTopK", "leaders", "SPREAD_FROM"]
+
+#: Units of at least this many entries get a leader of their own key; smaller ones share key 0's. Measured
+#: on the simulated cluster (README, "Shared top-k against top-k"): on ResNet-20, whose layers are all
+#: smaller, one leader per step instead of one per layer; ResNet-18's large layers still rotate.
+SPREAD_FROM = 1 << 16
 
 
-def leaders(keys, step: int, world_size: int) -> List[int]:
-    """The leader rank of each unit key at ``step``: ``(step + key) mod world_size``.
+def leaders(keys, sizes, step: int, world_size: int) -> List[int]:
+    """The leader rank of each unit at ``step``: ``(step + key) mod world_size``, key 0 for small units.
 
-    A function of the unit's own key, not of the other units of its bucket,
-    so DDP's bucket rebuild (and a resume on its initial buckets) cannot
-    change who leads; over ``W`` consecutive steps every rank leads every
-    unit once, so each rank does ``1 / W`` of top-k's selection on average.
+    A function of the unit's own key and size, not of the other units of
+    its bucket, so DDP's bucket rebuild (and a resume on its initial
+    buckets) cannot change who leads; over ``W`` consecutive steps every
+    rank leads every unit once, so each rank does ``1 / W`` of top-k's
+    selection on average. Units under :data:`SPREAD_FROM` entries lead as
+    key 0: in a step they share one leader, one broadcast fewer to wait for
+    per further leader, for a selection that costs little.
     """
-    return [(step + key) % world_size for key in keys]
+    return [(step + (key if numel >= SPREAD_FROM else 0)) % world_size for key, numel in zip(keys, sizes)]
 
 
 class SharedTopK(Selector):
@@ -154,4 +165,5 @@ def _unit_starts(units, ks, device) -> torch.Tensor:
 def _rank_and_leaders(request: SelectionRequest) -> Tuple[int, List[int]]:
     """This rank in the request's group, and the leader of each of its units."""
     rank = dist.get_rank(request.group) if request.world_size > 1 else 0
-    return rank, leaders([u.key for u in request.units], request.step, request.world_size)
+    return rank, leaders([u.key for u in request.units], [u.numel for u in request.units], request.step,
+                         request.world_size)
