@@ -5,7 +5,7 @@ Run (each part is one command; ``--task`` picks the data, ``--world`` the ranks)
     python bench/bench_adaalter_convergence.py --task fashion-mnist --world 2 --out bench/results/adaalter-fmnist-w2.jsonl
     python bench/bench_adaalter_convergence.py --task fortunes --world 2 --out bench/results/adaalter-fortunes-w2.jsonl
     python bench/bench_adaalter_convergence.py --task fashion-mnist --world 4 ...
-    python bench/bench_adaalter_convergence.py --report bench/results/adaalter-*.jsonl   # the README's tables
+    python bench/bench_adaalter_convergence.py --report bench/results/adaalter-*.jsonl   # bench/README.md's tables
     python bench/bench_adaalter_convergence.py --quick                                  # a smoke run
 
 Tasks (each rank trains on its own contiguous shard; epochs and data are the
@@ -75,7 +75,7 @@ from fortunes_text import load_fortunes  # noqa: E402
 STEPS_TOTAL = 384  # per epoch, summed over ranks: 12,288 examples of 32
 WARMUP = 32
 SEQ, CHARS_TRAIN, CHARS_VALID = 64, 786_432, 65_536
-#: per task: AdaGrad's and Local AdaAlter's lr and eps, local SGD's lr (chosen by the sweep in the README)
+#: per task: AdaGrad's and Local AdaAlter's lr and eps, local SGD's lr (chosen by the sweep in bench/README.md)
 RULES = ("paper", "constant", "rate")
 TASKS = {"fashion-mnist": {"lr": 0.1, "eps": 1.0, "sgd_lr": 0.05},
          "fortunes": {"lr": 0.3, "eps": 0.1, "sgd_lr": 0.5}}

@@ -271,7 +271,7 @@ def matrix(results):
 
 
 def report(paths, merge=False):
-    """Print each results file's command, header and table (the README's tables come from here).
+    """Print each results file's command, header and table (bench/README.md's tables come from here).
 
     ``merge``: one table of all files, a later file's run replacing an
     earlier one of the same name and seed (a rerun of some rows).

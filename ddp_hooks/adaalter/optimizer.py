@@ -102,7 +102,7 @@ class LocalAdaAlter(torch.optim.Optimizer):
             ``"constant"`` (also ``False``): the authors' constant ``eps^2``.
             Why ``"rate"``: its placeholder grows as the accumulator has been
             growing, where a fixed ``eps^2`` may be far from a model's squared
-            gradients (measurements: README, "Local AdaAlter on real data").
+            gradients (measurements: bench/README.md, "Local AdaAlter on real data").
         outer_lr (float): > 0; the outer optimizer's learning rate (1, the
             default, with ``outer_momentum=0`` is plain averaging).
         outer_momentum (float): in [0, 1); the outer optimizer's momentum

@@ -12,7 +12,7 @@ averaged sent velocity ``u_t`` (:mod:`ddp_hooks.sparsify.hook`,
 :class:`~ddp_hooks.SparsifyState`). User code keeps its optimizer, weight
 decay included (dense, in the optimizer). Top-k, whose large entries leave at
 once, does not diverge under the optimizer's momentum, but it trains better
-with the momentum counted in sends as well (README, "Convergence on real
+with the momentum counted in sends as well (bench/README.md, "Convergence on real
 images"), so the default is the same for every selector with error feedback.
 
 Every selector also starts with a density that falls from 1 to ``density``

@@ -39,7 +39,7 @@ SCOPE_CODES = {"layer": 0, "bucket": 1, "global": 2}
 AGGREGATION_CODES = {"allreduce": 0, "allgather": 1}
 OPTIMIZER_MOMENTUM_CODES = {"auto": 0, "sends": 1, "steps": 2}
 VALUE_DTYPE_CODES = {"auto": 0, "float16": 1, "bfloat16": 2, "float32": 3}  # "auto": the gradient's own dtype
-#: ``density_warmup_steps`` when none is given (measured: README, "Convergence on real images").
+#: ``density_warmup_steps`` when none is given (measured: bench/README.md, "Convergence on real images").
 DEFAULT_DENSITY_WARMUP_STEPS = 1000
 _INT64_MAX = (1 << 63) - 1
 

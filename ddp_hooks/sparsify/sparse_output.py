@@ -2,7 +2,7 @@ r"""Float32 result vectors kept at zero between steps, so a sparse result costs 
 
 A sparsified step's result is zero except at the ``k`` positions some rank
 sent. Writing it into DDP's bucket buffer means zeroing the whole buffer
-first, a full write of the gradient's size (README, "The hook's own work,
+first, a full write of the gradient's size (bench/README.md, "The hook's own work,
 per bucket", measures what avoiding it saves: ``bench/compare_result_paths.py``).
 Instead the hook can return a
 vector of its own: DDP copies a hook's result into ``.grad`` from whatever

@@ -60,7 +60,7 @@ from .topk import topk_units
 __all__ = ["SharedTopK", "leaders", "SPREAD_FROM"]
 
 #: Units of at least this many entries get a leader of their own key; smaller ones share key 0's. Measured
-#: on the simulated cluster (README, "Shared top-k against top-k"): on ResNet-20, whose layers are all
+#: on the simulated cluster (bench/README.md, "Shared top-k against top-k"): on ResNet-20, whose layers are all
 #: smaller, one leader per step instead of one per layer; ResNet-18's large layers still rotate.
 SPREAD_FROM = 1 << 16
 
