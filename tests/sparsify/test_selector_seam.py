@@ -87,7 +87,8 @@ def test_the_registry_refuses_a_taken_name_or_code_and_an_unservable_selector():
 
 
 def test_checkpoint_codes_are_explicit():
-    # What states saved today mean; these numbers may never change (README, "Checkpoints").
+    # What states saved today mean; these numbers may never change (README, "Adding a selector": checkpoints
+    # store each selector's `code`).
     options = SparsifyOptions(method="topk", scope="global", aggregation="allgather", optimizer_momentum="steps")
     ints = options.config_ints()
     assert (ints["method"], ints["scope"], ints["aggregation"], ints["optimizer_momentum"]) == (0, 2, 1, 2)
