@@ -33,7 +33,7 @@ from cluster_plan import ADAALTER, ALLREDUCE, FP16, NOOP, POWERSGD, SYNC_ADAGRAD
 
 __all__ = ["MODEL", "HOSTS", "BANDWIDTHS", "DENSITY_GRID", "SGD", "ADAGRAD", "ADAGRAD_METHODS", "curve_methods",
            "step_time_methods", "step_time_plan", "training_args", "learning_rate", "method_key", "warmup_variants",
-           "value_dtype_variants"]
+           "value_dtype_variants", "with_values"]
 
 MODEL = "fmnist-cnn"
 HOSTS = 4
@@ -69,8 +69,15 @@ def warmup_variants() -> List[Method]:
 def value_dtype_variants() -> List[Method]:
     """Random-block with its values sent as float16 (``value_dtype``; the rounding stays in the residual): half
     the bytes of every step, the density warm-up's dense early steps included."""
-    blocks = [_labelled(sparsifier("random_block", d, "layer", "allreduce")) for d in (0.01, 0.05)]
-    return [replace(b, label=f"{b.label} float16 values", value_dtype="float16") for b in blocks]
+    return [with_values(_labelled(sparsifier("random_block", d, "layer", "allreduce")), "float16")
+            for d in (0.01, 0.05)]
+
+
+def with_values(method: Method, value_dtype) -> Method:
+    """``method`` with its values sent as ``value_dtype`` (``None``: unchanged), labelled so."""
+    if value_dtype is None:
+        return method
+    return replace(method, label=f"{method.label} {value_dtype} values", value_dtype=value_dtype)
 
 
 def curve_methods(quick: bool = False) -> List[Method]:
@@ -112,10 +119,8 @@ def _step_time_rows(curves: List[Method]) -> List[Method]:
             key = (m.method, m.aggregation, m.value_dtype)
             lowest[key] = min(lowest.get(key, 1.0), m.density)
     for (name, aggregation, value_dtype), low in lowest.items():
-        for d in (d for d in DENSITY_GRID if d >= low - 1e-12):
-            row = sparsifier(name, d, "layer", aggregation)
-            rows.append(row if value_dtype is None else
-                        replace(row, label=f"{row.label} {value_dtype} values", value_dtype=value_dtype))
+        rows += [with_values(sparsifier(name, d, "layer", aggregation), value_dtype)
+                 for d in DENSITY_GRID if d >= low - 1e-12]
     return rows
 
 
