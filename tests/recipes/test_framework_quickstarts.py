@@ -3,13 +3,11 @@ the hook under torchrun and saves its state."""
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 
-from ddp_hooks.testing import free_port
 from paths import ROOT  # noqa: E402
+from torchrun import run_under_torchrun  # noqa: E402
 
 #: script, the framework it needs, the file that holds every rank's hook state once it has run
 EXAMPLES = [("lightning_quickstart.py", "lightning", "lightning-quickstart.ckpt"),
@@ -33,9 +31,7 @@ def test_readme_shows_the_script_word_for_word(script):
 @pytest.mark.parametrize("script, saved", [pytest.param(script, saved, marks=_needs(framework))
                                            for script, framework, saved in EXAMPLES])
 def test_script_trains_with_the_hook_under_torchrun(script, saved, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", os.path.join(ROOT, "recipes", script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_under_torchrun(os.path.join(ROOT, "recipes", script), tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("loss "))
     assert float(line.split()[1].rstrip(";")) < 0.6  # chance is ln 2 = 0.69

@@ -1,11 +1,9 @@
 """The README's quick start is recipes/quickstart.py, word for word, and it runs under torchrun."""
 
 import os
-import subprocess
-import sys
 
-from ddp_hooks.testing import free_port
 from paths import ROOT  # noqa: E402
+from torchrun import run_under_torchrun  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "recipes", "quickstart.py")
 
@@ -19,9 +17,7 @@ def test_readme_shows_the_script_word_for_word():
 
 
 def test_script_trains_with_the_hook_under_torchrun(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", SCRIPT]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    proc = run_under_torchrun(SCRIPT, tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("loss "))
     assert float(line.split()[1].rstrip(";")) < 0.3  # chance is ln 2 = 0.69
