@@ -5,14 +5,13 @@ Run (about 20 s on 2 cores)::
     python -m pytest bench/bench_sparsify_kernels.py -p no:cacheprovider
 
 Each row runs what :func:`ddp_hooks.sparsify_hook` does for one bucket at
-world size 1, through the hook's own functions (:mod:`ddp_hooks.sparsify.exchange`,
-:mod:`ddp_hooks.sparsify.commit`):
-the finiteness scan, selection, compensation, packing (compression), then the
-verdict, the residual update and the write of the averaged values
-(decompression) into the result vector the hook returns on the CPU, kept at
-zero between steps (:mod:`ddp_hooks.sparsify.sparse_output`; elsewhere the hook zeroes
-the bucket and writes there: ``bench/compare_result_paths.py`` times both,
-interleaved). Only the collective is absent.
+world size 1, through the compressor's stages (:mod:`ddp_hooks.sparsify.compressor`):
+the finiteness scan, compensation, selection, packing, the collective (gloo
+at world size 1: never skipped), then the verdict, the residual update and
+the write of the averaged values into the result vector the hook returns on
+the CPU, kept at zero between steps (:class:`ddp_hooks.sparsify.memory.SparseOutputs`;
+elsewhere the hook zeroes the bucket and writes there:
+``bench/compare_result_paths.py`` times both, interleaved).
 
 Groups are per bucket size and density (a row at density 1, which sends
 every entry, sits with the 25 MB rows at density 0.01). ``floor`` is ``residual.add_(grad)``
@@ -28,20 +27,20 @@ bytes a rank sends per call (values, plus int32 positions for top-k) and the
 density.
 """
 
+import os
+import tempfile
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ddp_hooks import SparsifyState
 from ddp_hooks.sparsify import SparsifyOptions
-from ddp_hooks.sparsify.commit import commit
-from ddp_hooks.sparsify.exchange import Piece, launch
-from ddp_hooks.sparsify.nonfinite import scan
+from ddp_hooks.sparsify.hook import scan
 from ddp_hooks.sparsify.selectors import Unit, budgets
 from ddp_hooks.sparsify.selectors.shared_topk import leaders
 from ddp_hooks.sparsify.selectors.topk import topk_units
-from ddp_hooks.sparsify.state import Binding
 
 SIZES_MB = (1, 25)
 DENSITIES = (0.01, 0.1)
@@ -61,6 +60,20 @@ def _group(mb, density):
     return f"{mb}MB-d{density}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    """A gloo group of one process: the compressor's collectives run, as they do for a single rank."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 class KernelBucket:
     """A flat gradient, its residual and layout, and a SparsifyState bound to a world of one."""
 
@@ -72,31 +85,40 @@ class KernelBucket:
         torch.manual_seed(0)
         self.source = torch.randn(numel)
         self.grad = torch.empty(numel)
-        self.residual = torch.zeros(numel)
         self.views = list(self.grad.split(per_layer))
         self.starts = torch.arange(0, numel, per_layer)
+        self.layout = tuple((i, i * per_layer, per_layer) for i in range(LAYERS))
         if scope == "layer":
             self.units = tuple(Unit(i, i * per_layer, per_layer) for i in range(LAYERS))
         else:
             self.units = (Unit(0, 0, numel),)
-        state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation,
-                              density_warmup_steps=0, block_size=block_size)  # the steady state
-        state.binding = Binding(group=None, rank=0, world_size=1)
-        self.state = state
+        self.state = SparsifyState(method=method, density=density, scope=scope, aggregation=aggregation,
+                                   density_warmup_steps=0, block_size=block_size)  # the steady state
         self.into_bucket = into_bucket  # write into the zeroed bucket (GPUs, gradient_as_bucket_view=True)
 
     def refill(self):
         self.grad.copy_(self.source)
 
+    @property
+    def residual(self):
+        return self.state.residuals.flat(0)
+
     def hook_work(self):
-        state = self.state
-        state.begin_step(self.grad.device)
+        state, compressor = self.state, self.state.compressor
         marks = scan(self.grad, self.views, self.starts)
-        piece = Piece(grad=self.grad, units=self.units, starts=self.starts, marks=marks, residual=self.residual)
-        flight = launch(state, piece, step=state.step, density=state.density_at(state.step))
+        pending = compressor.begin(self.grad, self.units, self.starts, marks, key=0, layout=self.layout, group=None,
+                                   step=state.step, density=state.density_at(state.step))
+        compressor.send(pending)
+        bad, parts = compressor.receive(pending)
+        discard = torch.stack([bad]).any()  # the step's one verdict
+        state.nonfinite.add(discard)
+        output = target = None
         if not self.into_bucket:  # as the hook on the CPU with float32 gradients
-            flight.result = state.results.for_bucket(0, self.grad, self.views, [])
-        commit(state, [flight], None)
+            output = state.results.for_bucket(0, self.grad, self.views, [])
+            target = output.overwrite() if pending.dense else output.clear()
+        written = compressor.finish(pending, parts, discard=discard, target=target)
+        if output is not None:
+            output.written = written
         state.step += 1
 
 
@@ -169,7 +191,7 @@ def test_sends_everything(benchmark, label):
     """top-k at density 1, layer scope, 25 MB: every entry sent by AllReduce (as in its AllGather crossover).
 
     The positions are every position in order, so gathers and scatters
-    there are copies (:mod:`ddp_hooks.sparsify.positions`); grouped with
+    there are copies (:mod:`ddp_hooks.sparsify.memory`); grouped with
     the 25 MB rows at density 0.01 for their floor.
     """
     benchmark.group = _group(25, 0.01)

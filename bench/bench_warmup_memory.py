@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from ddp_hooks.sparsify import SparsifyOptions
-from ddp_hooks.sparsify.selectors import Unit, budgets, random_block, randomk
+from ddp_hooks.sparsify.selectors import Unit, budgets, draws, random_block
 
 LAYERS = 50
 
@@ -40,7 +40,7 @@ def main() -> None:
     per_layer = 25 * 2**20 // 4 // LAYERS
     units = tuple(Unit(key, key * per_layer, per_layer) for key in range(LAYERS))
     options = SparsifyOptions(method=args.method, density=0.01)
-    memo = random_block.block_plan if args.method == "random_block" else randomk.draw_plan
+    memo = random_block.block_plan if args.method == "random_block" else draws.draw_plan
     device = torch.device("cpu")
     print(f"{args.method}, 25 MB in {LAYERS} layers, density 0.01, density warm-up "
           f"{options.density_warmup_steps} steps; start: {resident_mb():.0f} MB resident")
@@ -51,7 +51,7 @@ def main() -> None:
             random_block.random_blocks(*where, block_size=options.block_size, seed=0, step=step, rank=-1,
                                        device=device)
         else:
-            randomk.random_subsets(*where, seed=0, step=step, rank=-1, device=device)
+            draws.random_subsets(*where, seed=0, step=step, rank=-1, device=device)
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:4d}  density {density:.3f}  resident {resident_mb():6.0f} MB  "
                   f"plans held {len(memo.held())}")

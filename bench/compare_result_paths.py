@@ -5,7 +5,7 @@ Run::
     python bench/compare_result_paths.py            # about 6 s
 
 On the CPU the sparsify hook writes each step's sparse average into a vector
-kept at zero between steps (:mod:`ddp_hooks.sparsify.sparse_output`); on GPUs and with
+kept at zero between steps (:class:`ddp_hooks.sparsify.memory.SparseOutputs`); on GPUs and with
 ``gradient_as_bucket_view=True`` it zeroes the bucket and writes there. This
 script times both on the same 25 MB bucket at density 0.01, one thread, with
 the floor (``residual.add_(grad)``) timed in the same loop: rounds alternate

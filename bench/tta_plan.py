@@ -42,7 +42,7 @@ BANDWIDTHS = ("1gbit", "100mbit")
 #: not 1: at exactly 1 every unit is sent whole and in order, which took random-block about half the work of
 #: 0.9999 (fmnist-cnn, 2 ranks: 54 against 96 ms per step), while the warm-up is below 1 from its second step on.
 #: 0.2 lies just below 1/4, where top-k under AllGather at 4 hosts turns to sending everything by AllReduce
-#: (``ddp_hooks.sparsify.exchange.gather_outweighs_allreduce``; the report interpolates on each side apart).
+#: (``ddp_hooks.sparsify.compressor.gather_outweighs_allreduce``; the report interpolates on each side apart).
 DENSITY_GRID = (0.99, 0.3, 0.2, 0.1, 0.05, 0.01)
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "eps": None, "schedule": "cosine"}
 ADAGRAD = {"lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "eps": 1.0, "schedule": "constant"}

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ddp_hooks.sparsify import SparsifyOptions
-from ddp_hooks.sparsify.exchange import sends_everything
+from ddp_hooks.sparsify.compressor import sends_everything
 
 from cluster_report import merge_rounds, read_results
 from cluster_plan import NOOP, Method

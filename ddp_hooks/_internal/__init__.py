@@ -3,5 +3,4 @@
 * :mod:`.validation`: argument checks whose errors name the argument, the value, the rule and why.
 * :mod:`.collectives`: future-returning collectives, the group's size and rank, cross-rank agreement.
 * :mod:`.codec`: settings as int64 (floats as their IEEE-754 bits), for checkpoints and agreement.
-* :mod:`.seeding`: the pure ``(seed, step, unit, rank)`` seeds of the random selectors.
 """

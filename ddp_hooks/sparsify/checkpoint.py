@@ -20,7 +20,7 @@ from typing import Any, Dict, NamedTuple, Optional, Set
 
 from .._internal.codec import float_to_bits
 from .._internal.validation import check_int
-from .nonfinite import NonfiniteSteps
+from .memory import NonfiniteSteps
 from .options import SparsifyOptions
 
 __all__ = ["Loaded", "state_dict_of", "load_into", "check_loaded_rank", "check_loaded_keys"]
@@ -141,8 +141,8 @@ def check_loaded_keys(state, compressed: bool) -> None:
                 "model does not have: the state was saved from a different model"
             )
     loaded = state.loaded
-    if compressed and loaded is not None and loaded.keys:
-        extra = sorted(set(state.layouts.keys.values()) - loaded.keys)
+    if compressed and loaded is not None and loaded.keys is not None:
+        extra = sorted(set(state.layouts.keys.values()) - loaded.keys) if loaded.keys else []
         if extra:
             raise ValueError(
                 f"this model has parameters {extra} for which the loaded hook state holds no residual: "

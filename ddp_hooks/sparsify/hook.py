@@ -1,79 +1,42 @@
-r"""The sparsifying DDP communication hook: top-k, random-k and random-block-k with error feedback.
+r"""The sparsifying DDP communication hook: the DDP carrier of :class:`~.compressor.SparseCompressor`.
 
-Per rank, per step, for each unit of selection (a layer, the bucket, or all
-buckets: :class:`~ddp_hooks.SparsifyState`'s ``scope``), following Eghlidi &
-Jaggi, "Sparse Communication for Training Deep Networks" (2020,
-arXiv 2009.09271):
+Per rank, per step, each bucket DDP hands over goes through the compressor
+(compensate, select, pack, communicate; then unpack and fold: its module
+docstring gives the maths, after Eghlidi & Jaggi 2020, arXiv 2009.09271)
+with a budget per unit of selection (a layer, the bucket, or all buckets:
+:class:`~ddp_hooks.SparsifyState`'s ``scope``). What this carrier adds, and
+only it knows, is DDP's:
 
-1. Compensate: ``p = g + e`` with the float32 residual ``e`` of the bucket
-   (one pass over the gradient, the floor of any error-feedback method);
-   with ``weight_decay`` the gradient term is ``g + wd * x``.
-2. Select ``k = ceil(density * n)`` positions of ``p`` per unit
-   (:mod:`ddp_hooks.sparsify.selectors`). With ``momentum`` m, the rank's velocity
-   steps at those positions only, ``w = m w + p``, and ``w`` is sent there
-   (momentum in sends, not steps: :class:`~ddp_hooks.SparsifyState`).
-3. Keep the rest: ``e = p - c``, i.e. the selected positions of the residual
-   are cleared (or keep the rounding error when the wire dtype is half).
-4. Exchange: AllReduce of the values when every rank chose the same positions;
-   AllGather of values (plus int32 positions for top-k) otherwise.
-5. Write the average over ranks into ``bucket.buffer()`` in place (zeros
-   elsewhere), as PyTorch's own hooks do; on the CPU, for float32 buckets
-   that are not the gradients' storage, into a vector kept at zero between
-   steps instead, so only O(k) entries are cleared and written
-   (:mod:`ddp_hooks.sparsify.sparse_output`).
+* **Buckets and parameters.** A bucket's layout, ``(key, offset, numel)``
+  per parameter, keys the compressor's memory by parameter
+  (:class:`~.memory.BucketLayouts`), so residuals follow their parameters
+  when DDP rebuilds its buckets.
+* **One verdict per step.** Each bucket is scanned once for a mark per
+  parameter (:func:`scan`): 0 where DDP zero-filled an unused parameter (its
+  residual is held, not sent), NaN where the gradient holds inf or NaN
+  (every rank then receives NaN, so every rank discards the step alike), 1
+  otherwise. Each bucket's exchange starts at once, but the states are
+  folded and the results written only at the last bucket, once every
+  exchange of the step has arrived and whether any carried a non-finite
+  value is known: a discarded step writes NaN (``GradScaler`` skips it on
+  every rank) and leaves every residual as it was.
+* **The loss scale.** With ``SparsifyState(grad_scaler=scaler)`` the states
+  are kept unscaled (``S`` read from the scaler at the first bucket, as a
+  tensor): ``p = g + S e``, ``e <- e + g / S``.
+* **The optimizer's momentum counted in sends** (``optimizer_momentum=
+  "sends"``, the default with error feedback): the velocity steps with each
+  parameter's momentum ``m`` read from its ``torch.optim.SGD``
+  (:mod:`.momenta`), and the result is ``u_t - m u_{t-1}``
+  (:func:`present_update`), so that SGD's own buffer holds ``u_t``.
+* **Warm-up.** Plain allreduce for ``warmup_steps`` (every position through
+  the compressor where the hook runs momentum or weight decay of its own),
+  then the density falls from 1 to ``density`` over ``density_warmup_steps``.
 
-Steps 1 and 3 happen at the end of the step, when every bucket's exchange
-has finished (DDP waits for all buckets' futures only at the end of backward
-anyway): each bucket's exchange starts as soon as DDP hands the bucket over,
-but its residual is updated and its result written only once the whole step
-is known to be finite. Until then the bucket buffer still holds ``g``, so no
-copy of the residual is needed to undo anything. The step counter advances on
-the last bucket of each backward.
-
-Non-finite gradients (an AMP overflow, a NaN): while compensating, each
-bucket's per-parameter minimum and maximum are taken (one read pass of the
-gradient, no host sync; NaN and inf propagate into them). A rank whose bucket
-holds inf or NaN sends NaN in place of its values, so every rank receives it,
-whichever positions it was at. At the end of the step, if any exchange of the
-step carried a non-finite value, the step is discarded on every rank alike:
-the outputs hold NaN (``GradScaler`` skips the step on every rank), and the
-gradient is zeroed before it is folded into the residuals
-(:func:`~ddp_hooks.sparsify.error_feedback.fold_step`, the one place where per-rank states absorb a
-gradient), which therefore keep exactly their values from before the step;
-no inf or NaN can enter them. On CPU the verdict is read on the host; on
-other devices a broadcast ``masked_fill_`` keeps the hook free of host syncs.
-
-Warm-up: plain allreduce for the first ``warmup_steps`` steps; with momentum
-or weight decay in the hook the optimizer has neither, so warm-up steps send
-every position through the same path (the velocity steps everywhere). Then
-the density falls from 1 to ``density`` over ``density_warmup_steps``
-(:meth:`SparsifyState.density_at`; by default over 1000 steps). Under
-AllGather, a step whose gather would move more bytes than an AllReduce of
-every entry (top-k at 4 ranks: density 1/4 and above) sends every entry of
-``p`` by AllReduce instead
-(:func:`~ddp_hooks.sparsify.exchange.gather_outweighs_allreduce`).
-
-The optimizer's momentum (``optimizer_momentum="sends"``, the default with
-error feedback): the velocity of step 2 runs with each parameter's momentum
-``m`` read from its ``torch.optim.SGD``, and the result written in step 5 is
-``u_t - m u_{t-1}``, where ``u_t`` is the average over ranks of the sent
-velocities and ``u_{t-1}`` the last step's, kept sparse
-(:mod:`ddp_hooks.sparsify.last_update`). SGD's buffer ``m buf + grad`` then holds
-``u_t`` (plus the momentum of its dense weight decay): its step is
-``lr u_t``, momentum counted in sends, in the user's unchanged code.
-
-Parameters without a gradient: DDP with ``find_unused_parameters=True`` (or
-``static_graph=True``) fills the slot of an unused parameter with zeros and,
-when no rank used it, does not copy the bucket's result into its ``.grad``.
-A rank therefore sends nothing (zeros) for a parameter whose gradient is all
-zero at this step (min = max = 0) and keeps that parameter's residual for a
-later step; otherwise the residual sent for it would be lost.
-
-The loss scale: with ``SparsifyState(grad_scaler=scaler)`` the residuals and
-velocities are kept unscaled: ``p = g + S e`` (``S`` read from the scaler at
-the first bucket, as a tensor), ``e <- e + g / S`` and ``w <- sent / S``. Powers of two (GradScaler's
-defaults) make this exact, so training with the scaler follows training
-without it.
+**Futures.** Every future the hook returns is the step's completion future
+chained by ``then()``: made with the bucket's device, it is completed at the
+end of the step's commit, which records an event on the commit's stream;
+DDP's ``wait()`` makes its stream wait for that event. The commit itself
+reads each exchange through ``wait()`` on the collective's own future.
 
 Example (one process, so the average is the rank's own sparse gradient)::
 
@@ -93,86 +56,47 @@ Example (one process, so the average is the rank's own sparse gradient)::
     >>> dist.destroy_process_group()
 """
 
-from typing import Optional, Sequence
+from functools import lru_cache
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .._internal.collectives import allreduce_mean
 from .._internal.validation import check_hook_call
-from .commit import commit
-from .exchange import Piece, send, start
-from .last_update import UpdateRecord
-from .layout import GLOBAL_BUCKET, Layout
-from .nonfinite import scan
+from . import checkpoint
+from .compressor import PendingExchange, host_reads_free
+from .memory import GLOBAL_BUCKET, Layout, SparseOutput, gather, owners
+from .momenta import refresh_momenta, velocity_momentum
 from .selectors import Unit
+from .selectors.draws import first_draws
 from .state import SparsifyState
-from .step_run import StartedBucket, StepRun, WaitingBucket
 
-__all__ = ["sparsify_hook"]
+__all__ = ["sparsify_hook", "StepRun", "scan", "present_update"]
 
-
-def _wait_for_last(run: StepRun, buffer: torch.Tensor) -> torch.futures.Future:
-    """The future of a bucket that is not the last: ``buffer`` once the step is committed, or the step's error."""
-    def after_commit(step_done):
-        step_done.value()  # raises the step's error, so DDP sees a failed future, not a value
-        return buffer
-
-    return run.done.then(after_commit)
+# What the carrier keeps of one bucket's exchange until the end of the step: the exchange, where its
+# update is remembered for the optimizer's momentum (bucket index, layout, starts, momentum; or None), the
+# result vector that receives it instead of the bucket (or None), and with scope="global" the buckets
+# that receive the joined result's chunks (or None).
+Exchange = Tuple[PendingExchange, Optional[tuple], Optional[SparseOutput], Optional[List[torch.Tensor]]]
 
 
-def _finish_step(state: SparsifyState, last_buffer: torch.Tensor) -> torch.futures.Future:
-    """At the last bucket: once every exchange of the step has finished, commit and complete all futures."""
-    run = state.run
-    flights, step_done = run.take_flights()
+class StepRun:
+    """One backward pass: exchanges selected or sent, buckets waiting for the last, the loss scale, completion."""
 
-    def commit_step(all_done):
-        try:
-            all_done.value()  # the first failed exchange's error; collect_all may end before the others finish
-            commit(state, flights, run.scale)
-        except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
-            step_done.set_exception(exc)
-            raise
-        step_done.set_result(None)
-        return last_buffer
+    __slots__ = ("started", "sent", "waiting", "scale", "done")
 
-    return torch.futures.collect_all([flight.future for flight in flights]).then(commit_step)
+    def __init__(self, scale: Optional[torch.Tensor], device: torch.device) -> None:
+        self.started: List[Exchange] = []  # selected, in bucket order; sent by the hook a bucket later at most
+        self.sent: List[Exchange] = []  # their collectives launched, in launch order
+        self.waiting: list = []  # scope="global": (buffer, layout, starts, marks, decay) of the buckets so far
+        self.scale = scale  # the loss scale S as a 0-dim tensor, or None without a grad scaler
+        # set once the step is committed; with the device, so that setting it records an event on the stream
+        self.done = torch.futures.Future(devices=None if device.type == "cpu" else [device])
 
-
-def _decay(state: SparsifyState, params: Sequence[torch.Tensor], layout: Layout, numel: int,
-           device: torch.device) -> Optional[torch.Tensor]:
-    """``weight_decay * x`` laid out like the bucket, in float32, or None without weight decay in the hook."""
-    weight_decay = state.options.weight_decay
-    if weight_decay == 0.0:
-        return None
-    decay = torch.empty(numel, dtype=torch.float32, device=device)
-    for param, (_, offset, n) in zip(params, layout):
-        torch.mul(param.detach().reshape(-1), weight_decay, out=decay[offset:offset + n])
-    return decay
-
-
-def _start(state: SparsifyState, *, index: int, grad: torch.Tensor, layout: Layout, units, starts, marks,
-           decay, dense: bool, density: float) -> StartedBucket:
-    """Start the exchange of bucket ``index`` (or GLOBAL_BUCKET) with this rank's states for it: its selection."""
-    residual = velocity = None
-    if state.options.error_feedback:
-        residual = state.residuals.bucket_residual(index, layout, grad.numel(), grad.device)
-    momentum = state.send_momentum(layout, grad.device)
-    if momentum is not None:
-        velocity = state.velocities.bucket_residual(index, layout, grad.numel(), grad.device)
-    piece = Piece(grad=grad, units=tuple(units), starts=starts, marks=marks, residual=residual, velocity=velocity,
-                  decay=decay, momentum=0.0 if momentum is None else momentum)
-    update = None
-    if state.counts_momentum_in_sends and not dense:
-        update = UpdateRecord(index, layout, starts, piece.momentum)
-    return StartedBucket(start(state, piece, step=state.step, density=density, everything=dense), update)
-
-
-def _send(state: SparsifyState, started: StartedBucket) -> None:
-    """Finish a started bucket's exchange (its positions awaited, its values' collective launched): a flight."""
-    flight = send(state, started.exchange)
-    flight.update, flight.result, flight.outputs = started.update, started.result, started.outputs
-    state.run.flights.append(flight)
+    @property
+    def busy(self) -> bool:
+        """True while some exchange (started or sent) or waiting bucket has not been committed."""
+        return bool(self.started or self.sent or self.waiting)
 
 
 # No `from __future__ import annotations` in this module: DDP's register_comm_hook
@@ -181,71 +105,302 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     """Sparsify a DDP gradient bucket with error feedback and average it across ranks.
 
     Register with ``ddp_model.register_comm_hook(state, sparsify_hook)``; see
-    the module docstring for the algorithm and :class:`SparsifyState` for the
+    the module docstring for what it does and :class:`SparsifyState` for the
     options.
-
-    Args:
-        state (SparsifyState): options, residuals and counters.
-        bucket (dist.GradBucket): the bucket DDP hands to the hook.
 
     Returns:
         A future holding the average over ranks of each rank's sparsified
         compensated gradient: written into ``bucket.buffer()``, or, for
         float32 buckets on the CPU without ``gradient_as_bucket_view``, into
         a vector of the state kept at zero between steps
-        (:mod:`ddp_hooks.sparsify.sparse_output`), which DDP copies into
-        ``.grad`` alike. It completes when the step's last bucket has been
-        exchanged.
+        (:class:`~.memory.SparseOutputs`), which DDP copies into ``.grad``
+        alike. It completes when the step's last bucket has been committed.
     """
-    check_hook_call("sparsify_hook", state, SparsifyState, bucket)
-    state.bind(bucket)
+    if not isinstance(state, SparsifyState) or state.binding is None:  # the first call: check and bind
+        check_hook_call("sparsify_hook", state, SparsifyState, bucket)
+        state.bind(bucket)
     index, buffer, last = bucket.index(), bucket.buffer(), bucket.is_last()
-    run = state.begin_step(buffer.device) if index == 0 else state.run  # DDP hands buckets over in index order
-    # Parameter keys are assigned at the very first call, warm-up included, so
-    # that a resumed run (which starts on DDP's initial buckets) numbers the
-    # parameters exactly as the uninterrupted run did.
+    run = _begin_step(state, buffer.device) if index == 0 else state.run  # DDP hands buckets over in order
+    # Parameter keys are assigned at the very first call, warm-up included, so that a resumed run (which
+    # starts on DDP's initial buckets) numbers the parameters exactly as the uninterrupted run did.
     layout, starts = state.layouts.of_ddp_bucket(bucket)
-    options = state.options
+    options, compressor = state.options, state.compressor
     dense = state.step < options.warmup_steps
     if dense and options.momentum == 0.0 and options.weight_decay == 0.0:
-        n = buffer.numel()
-        state.counters.add(n, n * buffer.element_size(), n, n * buffer.element_size())
-        fut = allreduce_mean(buffer, state.binding.group, state.binding.world_size)
-        if last:
-            state.end_step(index, compressed=False)
-        return fut
+        return _allreduce_bucket(state, buffer, last, index)
     gradients = bucket.gradients()  # views of the buffer, one per parameter
     marks = scan(buffer, gradients, starts)
-    result = buffer
-    decay = _decay(state, bucket.parameters(), layout, buffer.numel(), buffer.device)
+    decay = _decay(options.weight_decay, bucket.parameters(), layout, buffer)
     density = options.density_at(state.step)
+    result = buffer
     if options.scope == "global" and not dense:
-        run.waiting.append(WaitingBucket(buffer, layout, starts, marks, decay))
+        run.waiting.append((buffer, layout, starts, marks, decay))
         if not last:
-            return _wait_for_last(run, buffer)
-        joined = run.join_waiting(with_decay=options.weight_decay != 0.0)
-        started = _start(state, index=GLOBAL_BUCKET, grad=joined.grad, layout=joined.layout,
-                         units=[Unit(0, 0, joined.grad.numel())], starts=joined.starts, marks=joined.marks,
-                         decay=joined.decay, dense=False, density=density)
-        started.outputs = joined.buffers
-        run.started.append(started)
+            return _after_commit(run, buffer)
+        grad, layout, starts, marks, decay, outputs = _join(run)
+        momentum = velocity_momentum(options, state.momenta, layout, grad.device)
+        pending = compressor.begin(grad, _units(layout, "global", GLOBAL_BUCKET, grad.numel()), starts, marks,
+                                   key=GLOBAL_BUCKET, layout=layout, group=state.binding.group, step=state.step,
+                                   density=density, scale=run.scale, decay=decay, momentum=momentum)
+        run.started.append((pending, _update_record(state, GLOBAL_BUCKET, layout, starts, momentum, False), None,
+                            outputs))
     else:
-        if options.scope == "layer":
-            units = [Unit(key, offset, n) for key, offset, n in layout if n]  # an empty one has no budget
-        else:
-            units = [Unit(index, 0, buffer.numel())]
-        started = _start(state, index=index, grad=buffer, layout=layout, units=units, starts=starts, marks=marks,
-                         decay=decay, dense=dense, density=density)
-        if not dense:  # where it pays, the result goes to a vector kept at zero between steps
-            started.result = state.results.for_bucket(index, buffer, gradients, bucket.parameters())
-        run.started.append(started)
-        result = buffer if started.result is None else started.result.tensor
+        momentum = velocity_momentum(options, state.momenta, layout, buffer.device)
+        pending = compressor.begin(buffer, _units(layout, options.scope, index, buffer.numel()), starts, marks,
+                                   key=index, layout=layout, group=state.binding.group, step=state.step,
+                                   density=density, scale=run.scale, decay=decay, momentum=momentum,
+                                   everything=dense)
+        # where it pays, the result goes to a vector kept at zero between steps
+        output = None if dense else state.results.for_bucket(index, buffer, gradients, bucket.parameters())
+        run.started.append((pending, _update_record(state, index, layout, starts, momentum, dense), output, None))
+        result = buffer if output is None else output.tensor
     # Send what has started, in bucket order on every rank; a selection still waiting for its selector's
     # collectives waits until the next bucket has started its own (or until the last bucket).
-    for earlier in run.take_started(keep_last=not last and started.exchange.choice.waits):
-        _send(state, earlier)
-    if not last:
-        return _wait_for_last(run, result)
-    fut = _finish_step(state, result)
-    state.end_step(index, compressed=not dense)
-    return fut
+    keep = 1 if not last and pending.choice.waits else 0
+    for exchange in run.started[:len(run.started) - keep]:
+        compressor.send(exchange[0])
+        run.sent.append(exchange)
+    del run.started[:len(run.started) - keep]
+    if last:
+        _commit_when_arrived(state, run, result)
+        _end_step(state, index, compressed=not dense)
+    return _after_commit(run, result)
+
+
+def _begin_step(state: SparsifyState, device: torch.device) -> StepRun:
+    """At the first bucket of a backward: a new run (dropping a backward that raised); the momenta, the scale."""
+    if state.momenta.watching and state.options.counts_momentum_in_sends:
+        refresh_momenta(state)
+    scaler = state.grad_scaler
+    # GradScaler.scale(t) is t * S on t's device: S as a tensor, without a host sync.
+    scale = None if scaler is None else scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+    state.run = StepRun(scale, device)
+    return state.run
+
+
+def _end_step(state: SparsifyState, last_index: int, compressed: bool) -> None:
+    """At the last bucket: advance the step; forget buckets past the last; check a loaded state's keys once."""
+    state.step += 1
+    state.counters.steps += 1
+    state.counters.compressed_steps += int(compressed)
+    compressor = state.compressor
+    for store in (compressor.residuals, compressor.velocities, state.last_updates, state.results, state.layouts):
+        store.drop_buckets_after(last_index)
+    if state.loaded is not None and state.loaded.keys is not None:
+        checkpoint.check_loaded_keys(state, compressed)
+
+
+def _after_commit(run: StepRun, result: torch.Tensor) -> torch.futures.Future:
+    """A bucket's future: ``result`` once the step is committed, or the step's error."""
+    def result_after_commit(committed):
+        committed.value()  # raises the step's error, so DDP sees a failed future, not a value
+        return result
+
+    return run.done.then(result_after_commit)
+
+
+def _commit_when_arrived(state: SparsifyState, run: StepRun, last_result: torch.Tensor) -> None:
+    """Once every exchange of the step has arrived: one verdict, then fold and write each; complete the step.
+
+    The exchanges' values cross into this callback from their own futures,
+    so the commit reads them through ``wait()`` (:meth:`~.compressor.SparseCompressor.receive`),
+    which on a GPU makes this stream wait for each collective's stream; the
+    step's future, made with the device, then records this stream's event
+    when it is set, and every bucket's future is chained on it.
+    """
+    exchanges, run.sent = run.sent, []
+
+    def commit_step(arrived):
+        try:
+            arrived.value()  # the first failed exchange's error; collect_all may end before the others finish
+            _commit(state, exchanges, run.scale)
+        except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
+            run.done.set_exception(exc)
+            raise
+        run.done.set_result(last_result)
+
+    torch.futures.collect_all([pending.future for pending, *_ in exchanges]).then(commit_step)
+
+
+def _commit(state: SparsifyState, exchanges: Sequence[Exchange], scale: Optional[torch.Tensor]) -> None:
+    """Apply the step's arrived exchanges: the same verdict on every rank (all saw the same data)."""
+    compressor = state.compressor
+    arrived = [compressor.receive(pending) for pending, *_ in exchanges]
+    discard = torch.stack([bad for bad, _ in arrived]).any()
+    state.nonfinite.add(discard)
+    inv_scale = None if scale is None else scale.reciprocal()
+    # The last update is remembered only from steps the optimizer takes: read on the host where that is
+    # free; elsewhere a discarded step's update is remembered as zero (present_update).
+    applied = True
+    if any(update is not None for _, update, _, _ in exchanges) and host_reads_free(discard.device):
+        applied = not bool(discard)
+    for (pending, update, output, outputs), (_, parts) in zip(exchanges, arrived):
+        target = None if output is None else (output.overwrite() if pending.dense else output.clear())
+        written = compressor.finish(pending, parts, discard=discard, target=target, inv_scale=inv_scale)
+        target = pending.grad if output is None else output.tensor
+        if update is not None and applied:
+            written = present_update(state.last_updates, update, target, written, scale, inv_scale,
+                                     whole=pending.dense, discard=discard)
+        if output is not None:
+            output.written = written
+        if outputs is not None:
+            for buffer, chunk in zip(outputs, pending.grad.split([b.numel() for b in outputs])):
+                buffer.copy_(chunk)
+
+
+def _allreduce_bucket(state: SparsifyState, buffer: torch.Tensor, last: bool, index: int) -> torch.futures.Future:
+    """A warm-up step without momentum or weight decay in the hook: the plain average, as PyTorch's allreduce_hook."""
+    n = buffer.numel()
+    state.counters.add(n, n * buffer.element_size(), n, n * buffer.element_size())
+    buffer.div_(state.binding.world_size)  # divide before the collective, so half sums cannot overflow
+    fut = dist.all_reduce(buffer, group=state.binding.group, async_op=True).get_future()
+    if last:
+        _end_step(state, index, compressed=False)
+    return fut.then(lambda arrived: arrived.value()[0])
+
+
+def _update_record(state: SparsifyState, key: int, layout: Layout, starts: torch.Tensor, momentum,
+                   dense: bool) -> Optional[tuple]:
+    """Where an exchange's averaged update is remembered, with the momentum that multiplies it next; or None."""
+    if not state.options.counts_momentum_in_sends or dense:
+        return None
+    return key, layout, starts, 0.0 if momentum is None else momentum
+
+
+@lru_cache(maxsize=1024)
+def _units(layout: Layout, scope: str, index: int, numel: int) -> Tuple[Unit, ...]:
+    """The units of selection of a bucket (kept: a bucket's layout repeats from step to step)."""
+    if scope == "layer":
+        return tuple(Unit(key, offset, n) for key, offset, n in layout if n)  # an empty one has no budget
+    return (Unit(0 if scope == "global" else index, 0, numel),)
+
+
+def _join(run: StepRun):
+    """The waiting buckets laid end to end: one flat gradient, its layout, starts, marks, decay, and the buckets."""
+    waiting, run.waiting = run.waiting, []
+    buffers = [w[0] for w in waiting]
+    layout, starts, shift = [], [], 0
+    for buffer, bucket_layout, bucket_starts, _, _ in waiting:
+        layout.extend((key, offset + shift, n) for key, offset, n in bucket_layout)
+        starts.append(bucket_starts + shift)
+        shift += buffer.numel()
+    decay = None if waiting[0][4] is None else torch.cat([w[4] for w in waiting])
+    return (torch.cat(buffers), tuple(layout), torch.cat(starts), torch.cat([w[3] for w in waiting]), decay,
+            buffers)
+
+
+def _decay(weight_decay: float, params: Sequence[torch.Tensor], layout: Layout,
+           buffer: torch.Tensor) -> Optional[torch.Tensor]:
+    """``weight_decay * x`` laid out like the bucket, in float32, or None without weight decay in the hook."""
+    if weight_decay == 0.0:
+        return None
+    decay = torch.empty(buffer.numel(), dtype=torch.float32, device=buffer.device)
+    for param, (_, offset, n) in zip(params, layout):
+        torch.mul(param.detach().reshape(-1), weight_decay, out=decay[offset:offset + n])
+    return decay
+
+
+def present_update(store, update: tuple, target: torch.Tensor, written: List[torch.Tensor],
+                   scale: Optional[torch.Tensor], inv_scale: Optional[torch.Tensor], whole: bool = False,
+                   discard: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """Turn the averaged update ``u_t`` in ``target`` into ``u_t - m u_{t-1}``; remember ``u_t`` in ``store``.
+
+    The optimizer's buffer then steps to ``m (u_{t-1} + z) + u_t - m u_{t-1}
+    = u_t + m z``: it holds this step's sent velocity (plus the momentum of
+    whatever else it was given, weight decay), whatever it held from the
+    sends before. ``update`` is ``(bucket, layout, starts, momentum)``.
+    Returns every position now written in ``target``. Under AllGather the
+    ranks' positions overlap: a position's first entry keeps its value, the
+    others 0 (no count read on the host). Where the host does not read the
+    verdict, a discarded step (``discard``) is remembered as zero.
+    """
+    bucket, layout, starts, m = update
+    whole = whole and len(written) == 1
+    positions = written[0] if len(written) == 1 else torch.cat(written)
+    values = gather(target, positions, whole).float()
+    if values is target:  # sent whole: a copy, as target changes below
+        values = values.clone()
+    if len(written) > 1:
+        values = torch.where(first_draws(positions, target.numel()), values, 0.0)
+    previous = store.get(bucket, layout, target.device)
+    if previous is not None and (isinstance(m, torch.Tensor) or m != 0.0):
+        where, before, was_whole = previous
+        if isinstance(m, torch.Tensor):
+            factor = m.index_select(0, owners(starts, where, target.numel(), was_whole)).neg_()
+        else:
+            factor = torch.full((), -float(m), device=target.device)
+        if scale is not None:
+            factor = factor * scale
+        change = (before * factor).to(target.dtype)  # (-0.0 where an entry holds 0: adding it changes nothing)
+        if was_whole:
+            target.add_(change)
+        else:
+            target.index_add_(0, where, change)
+        written = [positions, where]
+    remembered = values if inv_scale is None else values * inv_scale
+    if discard is not None and not host_reads_free(discard.device):
+        remembered = remembered.masked_fill(discard, 0.0)
+    store.put(bucket, layout, positions, remembered, whole)
+    return written
+
+
+def scan(buffer: torch.Tensor, gradients: Sequence[torch.Tensor], starts: torch.Tensor) -> torch.Tensor:
+    """Per parameter, a float32 mark of its gradient: 0 if all zero, NaN if it holds inf/NaN, else 1.
+
+    ``buffer`` is the flat bucket, ``gradients`` its per-parameter views,
+    ``starts`` their offsets (on the buffer's device). Where the host may
+    read (:func:`~.compressor.host_reads_free`), for float32 and float64, one
+    read pass over the bucket: ``sum(buffer)`` is finite iff every entry is
+    (a sum that overflows is measured again per parameter), and a parameter
+    whose first entry is non-zero has a gradient; the rare parameter whose
+    first entry is zero is looked at in 8 more entries spread over it, and
+    read whole only if they are all zero. Elsewhere a parameter's mark comes
+    from its ``max |g|`` (``aminmax``), with no host sync.
+
+    Example::
+
+        >>> g = torch.tensor([0.0, 0.0, 1.0, 2.0, float("inf"), 3.0])
+        >>> scan(g, list(g.split([2, 2, 2])), torch.tensor([0, 2, 4])).tolist()
+        [0.0, 1.0, nan]
+    """
+    if not gradients:
+        return torch.zeros(0)
+    if (not host_reads_free(buffer.device) or buffer.dtype not in (torch.float32, torch.float64)
+            or not buffer.numel() or not torch.isfinite(buffer.sum())):  # (an inf or NaN, or a sum that overflowed)
+        return _marks(torch.stack([_max_magnitude(g) for g in gradients]))
+    firsts = buffer.index_select(0, starts.clamp(max=buffer.numel() - 1))
+    marks = (firsts != 0).float()
+    for i, g in enumerate(gradients):
+        if not g.numel():  # its start is the next parameter's (or past the end)
+            marks[i] = 0.0
+    zero_first = [i for i in torch.nonzero(marks == 0).squeeze(1).tolist() if gradients[i].numel()]
+    if zero_first:  # rare: look at 8 more entries of each, then read whole those where all are zero
+        base, spread = buffer.storage_offset(), []
+        for i in zero_first:
+            g = gradients[i]
+            spread += [g.storage_offset() - base + int(f * g.numel()) for f in _SPREAD]
+        seen = buffer.index_select(0, torch.tensor(spread, dtype=torch.int64)).view(len(zero_first), -1).any(1)
+        marks.index_copy_(0, torch.tensor(zero_first, dtype=torch.int64), seen.float())
+        for i, found in zip(zero_first, seen.tolist()):
+            if not found:
+                marks[i] = float(bool(gradients[i].any()))
+    return marks
+
+
+# Golden-ratio fractions of a parameter's length, 0.618, 0.236, 0.854, ...: where a parameter whose first entry
+# is zero is looked at before it is read whole. Halves and quarters would fall in the first column of a weight
+# matrix, which a dead input feature (a border pixel after ReLU and pooling, a token not in the batch) keeps at
+# zero at every step.
+_SPREAD = [(j * 0.6180339887498949) % 1.0 for j in range(1, 9)]
+
+
+def _marks(magnitudes: torch.Tensor) -> torch.Tensor:
+    """Per-parameter ``max |g|`` (any dtype) as marks: 0 stays 0, inf/NaN becomes NaN, anything else 1."""
+    return (magnitudes != 0).float().masked_fill_(~torch.isfinite(magnitudes), float("nan"))
+
+
+def _max_magnitude(g: torch.Tensor) -> torch.Tensor:
+    if not g.numel():
+        return g.new_zeros(())
+    low, high = torch.aminmax(g)
+    return torch.maximum(low.abs(), high.abs())

@@ -23,11 +23,15 @@ Example::
 from __future__ import annotations
 
 import weakref
+from functools import lru_cache
 from typing import Dict, List
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["OptimizerMomenta", "velocity_runs", "velocity_momentum"]
+from .optimizer_check import check_optimizer
+
+__all__ = ["OptimizerMomenta", "velocity_runs", "velocity_momentum", "refresh_momenta", "watch_first_step"]
 
 
 class OptimizerMomenta:
@@ -103,7 +107,63 @@ def velocity_momentum(options, momenta: OptimizerMomenta, layout, device: torch.
         return options.momentum
     if not velocity_runs(options, momenta):
         return None
-    values = [momenta.by_key.get(key, 0.0) for key, _, _ in layout]
+    values = tuple(momenta.by_key.get(key, 0.0) for key, _, _ in layout)
     if not values or all(m == values[0] for m in values):
         return values[0] if values else 0.0
+    return _on_device(values, device)
+
+
+def refresh_momenta(state) -> None:
+    """Read each parameter's momentum again for ``state`` (a :class:`~ddp_hooks.SparsifyState`): at every step.
+
+    A velocity that no momentum needs any more is dropped (it restarts at 0
+    if a momentum comes back).
+    """
+    ran_velocity = velocity_runs(state.options, state.momenta)
+    state.momenta.refresh(state.layouts.keys)
+    if ran_velocity and not velocity_runs(state.options, state.momenta):
+        state.compressor.velocities.load({})
+
+
+@lru_cache(maxsize=256)
+def _on_device(values, device: torch.device) -> torch.Tensor:
+    """``values`` as a float32 tensor on ``device``, kept: a bucket's momenta repeat from step to step."""
     return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+# Handles of watchers whose state is gone. A step pre-hook cannot remove itself (PyTorch
+# iterates over the hook dict while calling them): they go at the next install.
+_FINISHED: list = []
+
+
+def watch_first_step(state) -> None:
+    """At the first step of each optimizer over parameters ``state`` has seen: :func:`check_optimizer`, and remember it.
+
+    Installs a global ``torch.optim`` step pre-hook. For an optimizer it has
+    already seen it returns at once; once the state is gone it turns into a
+    no-op and is removed at the next install. The optimizers it remembers
+    (weak references) are where :func:`refresh_momenta` reads
+    the momentum that ``optimizer_momentum="sends"`` counts in sends.
+    """
+    while _FINISHED:
+        _FINISHED.pop().remove()
+    ref = weakref.ref(state)
+    seen = weakref.WeakSet()
+    done = []
+
+    def pre_step(optimizer, args, kwargs):
+        if done or optimizer in seen:
+            return
+        st = ref()
+        if st is None:
+            done.append(True)
+            _FINISHED.append(handle)
+            return
+        if not st.layouts.knows_any(p for group in optimizer.param_groups for p in group["params"]):
+            return  # another model's optimizer
+        check_optimizer(st, optimizer, param_ids=st.layouts.keys)
+        seen.add(optimizer)
+        st.momenta.watch(optimizer)
+        refresh_momenta(st)
+
+    handle = register_optimizer_step_pre_hook(pre_step)

@@ -1,6 +1,6 @@
 """The check of every optimizer paired with the sparsifying hook, at its first step.
 
-The hook's first call installs :func:`watch_first_step`; at the first step
+The hook's first call installs :func:`~.momenta.watch_first_step`; at the first step
 of each optimizer over the hook's parameters, :func:`check_optimizer`
 refuses momentum or weight decay applied twice (by the hook and by the
 optimizer), and Nesterov or dampening where the optimizer's momentum is
@@ -23,12 +23,10 @@ Example::
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["check_optimizer", "watch_first_step"]
+__all__ = ["check_optimizer"]
 
 
 def check_optimizer(state, optimizer: torch.optim.Optimizer, param_ids=None) -> None:
@@ -95,41 +93,3 @@ def check_optimizer(state, optimizer: torch.optim.Optimizer, param_ids=None) -> 
                 "ddp_hooks.build_sparsify_sgd), or count it in sends: SparsifyState(optimizer_momentum='auto')",
                 stacklevel=3,
             )
-
-
-# Handles of watchers whose state is gone. A step pre-hook cannot remove itself (PyTorch
-# iterates over the hook dict while calling them): they go at the next install.
-_FINISHED: list = []
-
-
-def watch_first_step(state) -> None:
-    """At the first step of each optimizer over parameters ``state`` has seen: :func:`check_optimizer`, and remember it.
-
-    Installs a global ``torch.optim`` step pre-hook. For an optimizer it has
-    already seen it returns at once; once the state is gone it turns into a
-    no-op and is removed at the next install. The optimizers it remembers
-    (weak references) are where :meth:`SparsifyState.refresh_momenta` reads
-    the momentum that ``optimizer_momentum="sends"`` counts in sends.
-    """
-    while _FINISHED:
-        _FINISHED.pop().remove()
-    ref = weakref.ref(state)
-    seen = weakref.WeakSet()
-    done = []
-
-    def pre_step(optimizer, args, kwargs):
-        if done or optimizer in seen:
-            return
-        st = ref()
-        if st is None:
-            done.append(True)
-            _FINISHED.append(handle)
-            return
-        if not st.layouts.knows_any(p for group in optimizer.param_groups for p in group["params"]):
-            return  # another model's optimizer
-        check_optimizer(st, optimizer, param_ids=st.layouts.keys)
-        seen.add(optimizer)
-        st.momenta.watch(optimizer)
-        st.refresh_momenta()
-
-    handle = register_optimizer_step_pre_hook(pre_step)

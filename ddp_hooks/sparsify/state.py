@@ -1,6 +1,6 @@
 """The state of the sparsifying hook, by lifetime: options; what each rank keeps from step to step
-and saves (:mod:`.checkpoint`); what the first hook call binds; one backward pass
-(:mod:`.step_run`); caches (:mod:`.scratch`, :mod:`.sparse_output`).
+and saves (:mod:`.checkpoint`); what the first hook call binds; one backward pass (the hook's
+``StepRun``); caches (:mod:`.memory`).
 """
 
 from __future__ import annotations
@@ -16,16 +16,10 @@ from .._internal.collectives import check_same_on_all_ranks
 from .._internal.validation import check_group_ready, check_process_group
 from ..stats import CommStats
 from . import checkpoint
-from .last_update import LastUpdates
-from .layout import BucketLayouts, Layout
-from .momenta import OptimizerMomenta, velocity_momentum, velocity_runs
-from .nonfinite import NonfiniteSteps
-from .optimizer_check import watch_first_step
+from .compressor import SparseCompressor
+from .memory import BucketLayouts, LastUpdates, Layout, NonfiniteSteps, ResidualStore, SparseOutputs
+from .momenta import OptimizerMomenta, refresh_momenta, velocity_momentum, velocity_runs, watch_first_step
 from .options import OPTION_NAMES, SparsifyOptions
-from .residuals import ResidualStore
-from .sparse_output import SparseOutputs
-from .scratch import ScratchMemory
-from .step_run import StepRun
 
 __all__ = ["SparsifyState", "Binding"]
 
@@ -102,11 +96,11 @@ class SparsifyState:
     __slots__ = (
         "options", "process_group", "grad_scaler",
         # kept across steps and checkpoints; `step` advances once per backward, on the last bucket
-        "step", "residuals", "velocities", "last_updates", "momenta", "counters", "nonfinite",
+        "step", "compressor", "last_updates", "momenta", "counters", "nonfinite",
         # bound at the first hook call; the layouts of the buckets met; a loaded checkpoint's rank and keys
         "binding", "layouts", "loaded",
-        # one backward pass (None between them), and caches
-        "run", "scratch", "results",
+        # one backward pass (None between them), and the result vectors
+        "run", "results",
         # the optimizer check installed at the first hook call holds only a weak reference
         "__weakref__",
     )
@@ -145,18 +139,27 @@ class SparsifyState:
         self.process_group = process_group
         self.grad_scaler = grad_scaler
         self.step = 0
-        self.residuals = ResidualStore()
-        self.velocities = ResidualStore()  # per rank, like the residuals; used while a velocity runs
+        self.counters = CommStats()
+        self.compressor = SparseCompressor(self.options, self.counters)  # holds the residuals and velocities
         self.last_updates = LastUpdates()
         self.momenta = OptimizerMomenta()
-        self.counters = CommStats()
         self.nonfinite = NonfiniteSteps()
         self.binding: Optional[Binding] = None
         self.layouts = BucketLayouts()
         self.loaded: Optional[checkpoint.Loaded] = None
-        self.run: Optional[StepRun] = None
-        self.scratch = ScratchMemory()  # top-k's |p| and candidate mask, kept from step to step
+        self.run = None  # the hook's StepRun during a backward pass
         self.results = SparseOutputs()  # per bucket, the result vector kept at zero (CPU, float32)
+
+    # ----- what the compressor keeps -----
+    @property
+    def residuals(self) -> ResidualStore:
+        """This rank's error-feedback residuals, per parameter key (the compressor's)."""
+        return self.compressor.residuals
+
+    @property
+    def velocities(self) -> ResidualStore:
+        """This rank's momentum velocities, per parameter key (the compressor's)."""
+        return self.compressor.velocities
 
     # ----- what the options imply -----
     @property
@@ -184,10 +187,7 @@ class SparsifyState:
 
     def refresh_momenta(self) -> None:
         """Read each parameter's momentum from the optimizers seen (:mod:`ddp_hooks.sparsify.momenta`)."""
-        ran_velocity = self.runs_velocity
-        self.momenta.refresh(self.layouts.keys)
-        if ran_velocity and not self.runs_velocity:  # no momentum to count any more: drop the velocity
-            self.velocities.load({})  # (it restarts at 0 if a momentum comes back)
+        refresh_momenta(self)
 
     # ----- per parameter -----
     def residual_for(self, param: torch.Tensor) -> torch.Tensor:
@@ -224,25 +224,6 @@ class SparsifyState:
         if self.binding.rank == 0:
             logger.info("sparsify_hook: %s on %d ranks", self.options.describe(self.options.config_ints()),
                         self.binding.world_size)
-
-    # ----- one backward pass -----
-    def begin_step(self, device: torch.device) -> StepRun:
-        """At the first bucket of a backward: a new run (dropping a backward that raised); the momenta, the scale."""
-        if self.momenta.watching and self.counts_momentum_in_sends:
-            self.refresh_momenta()
-        scaler = self.grad_scaler
-        # GradScaler.scale(t) is t * S on t's device: S as a tensor, without a host sync.
-        self.run = StepRun(None if scaler is None else scaler.scale(torch.ones((), dtype=torch.float32, device=device)))
-        return self.run
-
-    def end_step(self, last_index: int, compressed: bool) -> None:
-        """At the last bucket: advance the step; forget buckets past the last; check a loaded state's keys."""
-        self.step += 1
-        self.counters.steps += 1
-        self.counters.compressed_steps += int(compressed)
-        for store in (self.residuals, self.velocities, self.last_updates, self.results, self.layouts):
-            store.drop_buckets_after(last_index)
-        checkpoint.check_loaded_keys(self, compressed)
 
     # ----- public API -----
     def stats(self) -> Dict[str, float]:

@@ -5,17 +5,20 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
-from ddp_hooks.sparsify.error_feedback import ResidualChange, fold_step
+from ddp_hooks.sparsify.compressor import PendingExchange, SparseCompressor
+from ddp_hooks.sparsify.options import SparsifyOptions
 from ddp_hooks.testing import run_distributed
 
 
-def test_fold_step_filters_the_memory():
+def test_the_fold_filters_the_memory():
     e = torch.tensor([1.0, 2.0, 3.0, 4.0])
     before = e.clone()
     g = torch.tensor([0.5, 0.5, 0.5, 0.5])
     sent_at = torch.tensor([1, 3])
-    change = ResidualChange(vector=e, before=before.index_select(0, sent_at), rounding=None)
-    fold_step(g.clone(), sent_at, change, None, discard=torch.tensor(False), inv_scale=None, beta=0.75)
+    pending = PendingExchange(grad=g.clone(), starts=torch.tensor([0]), marks=None, residual=e, velocity=None,
+                              decay=None, momentum=0.0, scale=None, request=None, choice=None, dense=False,
+                              shared=True, positions=sent_at, residual_before=before.index_select(0, sent_at))
+    SparseCompressor(SparsifyOptions()).fold(pending, discard=torch.tensor(False), beta=0.75)
     p = before + g
     c = torch.zeros(4).index_copy_(0, sent_at, p.index_select(0, sent_at))
     assert torch.allclose(e, 0.25 * before + 0.75 * (p - c))

@@ -5,11 +5,11 @@ import threading
 import pytest
 import torch
 
-from ddp_hooks._internal.seeding import SHARED
-from ddp_hooks.sparsify.selectors import first_draws as first_draws_module
-from ddp_hooks.sparsify.selectors.first_draws import first_draws
+from ddp_hooks.sparsify.selectors.draws import SHARED
+from ddp_hooks.sparsify.selectors import draws as first_draws_module
+from ddp_hooks.sparsify.selectors.draws import first_draws
 from ddp_hooks.sparsify.selectors.random_block import random_blocks
-from ddp_hooks.sparsify.selectors.randomk import random_subsets
+from ddp_hooks.sparsify.selectors.draws import random_subsets
 
 
 def _reference(values):

@@ -8,7 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
-from ddp_hooks.sparsify.exchange import gather_outweighs_allreduce
+from ddp_hooks.sparsify.compressor import gather_outweighs_allreduce
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
 from small_mlp import batch, flat, last_update_dense, small_mlp
 

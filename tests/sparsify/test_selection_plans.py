@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from ddp_hooks.sparsify.selectors import Unit, budgets, random_block, randomk
-from ddp_hooks.sparsify.selectors.plans import one_plan_per_layout
+from ddp_hooks.sparsify.selectors import Unit, budgets, draws, random_block
+from ddp_hooks.sparsify.selectors.draws import one_plan_per_layout
 from ddp_hooks.sparsify.selectors.random_block import random_blocks
-from ddp_hooks.sparsify.selectors.randomk import random_subsets
+from ddp_hooks.sparsify.selectors.draws import random_subsets
 
 
 def test_a_plan_is_reused_for_the_same_budgets_and_replaced_for_new_ones():
@@ -72,10 +72,10 @@ def _tensors(value):
 @pytest.mark.parametrize("selector", ["random_block", "randomk"])
 def test_a_density_warm_up_holds_one_plan_per_layout(selector):
     """Budgets change at every warm-up step; an LRU of (layout, budgets) kept the last 256 steps' plans."""
-    memo = random_block.block_plan if selector == "random_block" else randomk.draw_plan
+    memo = random_block.block_plan if selector == "random_block" else draws.draw_plan
     memo.cache_clear()
     if selector == "randomk":
-        randomk.split_units.cache_clear()
+        draws.split_units.cache_clear()
     device = torch.device("cpu")
     layouts = [tuple(Unit(key, 2000 * key, 2000) for key in range(base, base + 8)) for base in (0, 8)]
     for step in range(60):

@@ -1,4 +1,4 @@
-"""The result vectors kept at zero between steps (ddp_hooks.sparsify.sparse_output): no stale entry ever reaches .grad.
+"""The result vectors kept at zero between steps (ddp_hooks.sparsify.memory.SparseOutputs): no stale entry ever reaches .grad.
 
 On the CPU, for float32 buckets without gradient_as_bucket_view, the hook
 returns a vector of its own instead of the bucket buffer, and clears only
@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
-from ddp_hooks.sparsify.sparse_output import SparseOutput
+from ddp_hooks.sparsify.memory import SparseOutput
 from ddp_hooks.testing import run_distributed
 
 DENSITY = 0.1

@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
-from ddp_hooks.sparsify.nonfinite import fill_if
+from ddp_hooks.sparsify import compressor
 from ddp_hooks.testing import assert_replicas_equal, run_distributed
 from small_mlp import COMBOS, batch, small_mlp
 
@@ -152,18 +152,19 @@ def test_grad_scaler_training_equals_training_without_a_scaler():
             assert r["unattached_diff"] > 1e-4, (combo, r["unattached_diff"])
 
 
-def test_fill_if_sync_free_path_matches_the_host_path():
+def test_fill_if_sync_free_path_matches_the_host_path(monkeypatch):
     """The masked_fill_ path runs on GPUs only; check it here on CPU tensors."""
     for flag in (True, False):
-        for sync_free in (True, False):
+        for host_reads in (True, False):
+            monkeypatch.setattr(compressor, "HOST_READS_ON_CPU", host_reads)
             t = torch.arange(5.0)
-            fill_if(t, torch.tensor(flag), float("nan"), sync_free=sync_free)
+            compressor.fill_if(t, torch.tensor(flag), float("nan"))
             assert torch.isnan(t).all() if flag else torch.equal(t, torch.arange(5.0))
 
 
 def test_scan_tells_zero_finite_and_nonfinite_gradients_apart():
     """Marks 0 (no gradient), 1 (finite gradient), NaN (inf or NaN) for every dtype and every path of the scan."""
-    from ddp_hooks.sparsify.nonfinite import scan
+    from ddp_hooks.sparsify.hook import scan
 
     late = torch.zeros(6)
     late[4] = -2.0  # first entry zero, gradient not: found among the entries spread over the parameter
@@ -195,7 +196,7 @@ def test_scan_tells_zero_finite_and_nonfinite_gradients_apart():
 
 
 def test_received_values_are_judged_by_their_entries_not_by_their_sum():
-    from ddp_hooks.sparsify.nonfinite import holds_nonfinite
+    from ddp_hooks.sparsify.compressor import holds_nonfinite
 
     nan, inf = torch.ones(6), torch.ones(6)
     nan[4], inf[2] = float("nan"), float("inf")

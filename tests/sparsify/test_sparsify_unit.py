@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ddp_hooks import SparsifyState
-from ddp_hooks.sparsify.residuals import ResidualStore
-from ddp_hooks._internal.seeding import SHARED, derive_seed
+from ddp_hooks.sparsify.memory import ResidualStore
+from ddp_hooks.sparsify.selectors.draws import SHARED, derive_seed
 from ddp_hooks.sparsify.selectors import Unit, budget, select
 from paths import FIXTURES
 
@@ -164,7 +164,7 @@ def test_random_choice_is_a_function_of_seed_step_unit_and_rank():
 
 
 def test_large_random_subsets_are_uniform_and_distinct():
-    from ddp_hooks.sparsify.selectors.randomk import random_subsets
+    from ddp_hooks.sparsify.selectors.draws import random_subsets
 
     idx = random_subsets([0, 10_000_000], [10_000_000, 500_000], [100_000, 5_000], [1, 2], 0, 0, SHARED,
                          torch.device("cpu"))
@@ -176,24 +176,30 @@ def test_large_random_subsets_are_uniform_and_distinct():
     assert ((counts - 1000) ** 2 / 1000).sum().item() < 160  # chi-square, 99 dof: p < 1e-4 above 160
 
 
-def test_a_unit_short_of_draws_draws_more_and_chooses_alike(monkeypatch):
-    """The choice is the first k distinct draws: how many are drawn up front changes nothing, and too few is mended."""
-    import ddp_hooks.sparsify.selectors.randomk as randomk
+def test_a_unit_short_of_draws_keeps_its_first_positions_and_the_others_choose_alike(monkeypatch):
+    """A unit whose draws fall short (a chance below 1e-9) keeps its first k positions, read on no host;
+    a unit whose draws sufficed chooses as with more draws (the choice is its first k distinct draws)."""
+    from ddp_hooks.sparsify.selectors import draws
 
     args = ([0, 3000, 3100], [3000, 100, 5000], [300, 60, 50], [4, 5, 6], 7, 3, SHARED, torch.device("cpu"))
-    expected = randomk.random_subsets(*args)
-    monkeypatch.setattr(randomk, "_draws", lambda n, k: k)  # repeats are near certain: every unit falls short
-    randomk.split_units.cache_clear()  # the plans cached above were made with the real number of draws
-    calls = []
-    original = randomk._first_distinct_draws
-    monkeypatch.setattr(randomk, "_first_distinct_draws", lambda *a: calls.append(a[0].draws) or original(*a))
-    assert torch.equal(randomk.random_subsets(*args), expected)
-    assert len(calls) > 1 and calls[0] == (300, 60, 50)
-    randomk.split_units.cache_clear()  # nor may later tests see plans made with too few draws
+    expected = draws.random_subsets(*args)
+    monkeypatch.setattr(draws, "draws_needed", lambda n, k: k)  # k draws: short unless all k are distinct
+    draws.split_units.cache_clear()  # the plans cached above were made with the real number of draws
+    try:
+        got = draws.random_subsets(*args)
+        again = draws.random_subsets(*args)
+    finally:
+        draws.split_units.cache_clear()  # nor may later tests see plans made with too few draws
+    assert torch.equal(got, again)
+    # 300 distinct draws of 3000 (a chance of about e^-15) and 60 of 100 (none): both units fall short
+    assert got[:300].tolist() == list(range(300)) and got[300:360].tolist() == list(range(3000, 3060))
+    # 50 of 5000 are all distinct with a chance of about e^-0.25: the unit is short or chooses as before
+    assert got[360:].tolist() in (expected[360:].tolist(), list(range(3100, 3150)))
+    assert not torch.equal(got[:360], expected[:360])
 
 
 def test_random_subsets_cover_all_positions_alike_across_steps():
-    from ddp_hooks.sparsify.selectors.randomk import random_subsets
+    from ddp_hooks.sparsify.selectors.draws import random_subsets
 
     # a large unit and a small one, over many steps
     n_big, n_small, counts_big, counts_small = 8192, 40, torch.zeros(8192), torch.zeros(40)
@@ -209,7 +215,7 @@ def test_random_subsets_cover_all_positions_alike_across_steps():
 
 
 def test_tensor_mixer_equals_the_python_one():
-    from ddp_hooks._internal.seeding import splitmix64, splitmix64_tensor, to_signed
+    from ddp_hooks.sparsify.selectors.draws import splitmix64, splitmix64_tensor, to_signed
 
     values = [0, 1, 2**62 + 12345, -(2**63), -1, 987654321987654321]
     mixed = splitmix64_tensor(torch.tensor(values)).tolist()

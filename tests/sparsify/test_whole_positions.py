@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_hooks import SparsifyState, sparsify_hook
-from ddp_hooks.sparsify import positions
+from ddp_hooks.sparsify import memory as positions
 from ddp_hooks.testing import run_distributed
 from small_mlp import NetWithExtra
 
@@ -44,24 +44,22 @@ def test_every_position_is_one_tensor_while_held():
 
 
 def _indexed_only(patched):
-    """Make every operation of the hook take its indexed path, whatever the step says."""
-    from ddp_hooks.sparsify import commit, error_feedback, exchange, last_update
+    """Make every operation of the hook take its indexed path, whatever the step says.
 
-    general = {
-        "gather": lambda source, at, whole: positions.gather(source, at, False),
-        "put": lambda target, at, values, whole: positions.put(target, at, values, False),
-        "zero_at": lambda target, at, whole=False: positions.zero_at(target, at, False),
-        "owners": lambda starts, at, numel, whole: positions.owners(starts, at, numel, False),
-    }
-    for module in (exchange, error_feedback, last_update):
-        for name, function in general.items():
-            if hasattr(module, name):
-                patched.append((module, name, getattr(module, name)))
-                setattr(module, name, function)
-    for name in ("fold_step", "present_update"):
-        original = getattr(commit, name)
-        patched.append((commit, name, original))
-        setattr(commit, name, lambda *args, _f=original, whole=False, **kwargs: _f(*args, whole=False, **kwargs))
+    A step that sends everything still selects every position in order, but
+    its exchange is told it is not whole: every later stage indexes.
+    """
+    from ddp_hooks.sparsify.compressor import SparseCompressor
+
+    original = SparseCompressor.begin
+
+    def begin(self, *args, **kwargs):
+        pending = original(self, *args, **kwargs)
+        pending.dense = False
+        return pending
+
+    patched.append((SparseCompressor, "begin", original))
+    SparseCompressor.begin = begin
 
 
 def _train(rank, config, indexed):

@@ -52,7 +52,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Optional, Sequence, Tupl
 
 import torch
 
-from ..._internal.seeding import SHARED
+from .draws import SHARED
 
 __all__ = ["Unit", "budget", "budgets", "total_budget", "SelectionRequest", "Choice", "Selector"]
 
@@ -98,10 +98,16 @@ class SelectionRequest(NamedTuple):
     scratch_mask: Optional[torch.Tensor] = None  # bool memory a selector may reuse, numel rounded up to 8
     group: Any = None  # the process group, for a selector that agrees on positions by communicating
     world_size: int = 1
+    host_reads: Optional[bool] = None  # may read tensors on the host (a sync); None: only on the CPU
 
     @property
     def where(self) -> torch.device:
         return self.device if self.device is not None else self.magnitude.device
+
+    @property
+    def reads_on_host(self) -> bool:
+        """Whether the selector may read tensors on the host: free on the CPU, a stall of the stream elsewhere."""
+        return self.where.type == "cpu" if self.host_reads is None else self.host_reads
 
 
 class Choice:

@@ -10,7 +10,7 @@ unit of ``n`` entries with budget ``k`` and block size ``b``:
    blocks ``[j b, min((j + 1) b, n))``; only the last may be shorter.
 3. **Set.** ``min(ceil(k / b) + 1, B)`` distinct blocks are drawn, every
    subset equally likely, in a random order
-   (:func:`~.randomk.random_subsets` over block indices).
+   (:func:`~.draws.random_subsets` over block indices).
 4. **Trim.** The blocks are taken in draw order until ``k`` entries are
    reached: all but the last one taken are whole, the last is cut to its
    first entries. One block more than ``ceil(k / b)`` is drawn so that a
@@ -49,10 +49,8 @@ from typing import NamedTuple, Sequence, Tuple
 
 import torch
 
-from ..._internal.seeding import derive_seeds, uniform_below
 from .base import SelectionRequest, Selector
-from .plans import one_plan_per_layout
-from .randomk import random_subsets
+from .draws import derive_seeds, one_plan_per_layout, random_subsets, uniform_below
 
 __all__ = ["RandomBlock", "random_blocks", "blocks_drawn", "BlockPlan", "block_plan"]
 
@@ -83,7 +81,7 @@ class BlockPlan(NamedTuple):
 @one_plan_per_layout(budget_args=2)  # ks: a new plan at each step of the density warm-up
 def block_plan(offsets: Tuple[int, ...], sizes: Tuple[int, ...], ks: Tuple[int, ...], keys: Tuple[int, ...],
                block_size: int, device: torch.device) -> BlockPlan:
-    """The device tensors of one layout of units and budgets, kept for the layout's last budgets (:mod:`.plans`)."""
+    """The device tensors of one layout of units and budgets, kept for the layout's last budgets (:func:`~.draws.one_plan_per_layout`)."""
     counts = tuple(-(-n // block_size) for n in sizes)
     draws = tuple(blocks_drawn(n, k, block_size) for n, k in zip(sizes, ks))
     block_offsets, at = [], 0

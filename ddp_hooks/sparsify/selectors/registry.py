@@ -26,8 +26,8 @@ from typing import Dict, Tuple, Type
 
 import torch
 
-from ..._internal.seeding import SHARED
 from .base import SelectionRequest, Selector, Unit  # noqa: F401 (Unit: the docstring examples use it)
+from .draws import SHARED
 from .random_block import RandomBlock
 from .randomk import RandomK
 from .shared_topk import SharedTopK

@@ -49,6 +49,7 @@ Example (one process: the rank leads every unit)::
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import List, Tuple
 
 import torch
@@ -105,7 +106,7 @@ class SharedTopK(Selector):
         rows, works = {}, []  # each leading rank's positions, relative to their unit, less the shift
         for r in sorted(set(lead)):  # one broadcast per leading rank, in rank order on every rank
             if r == rank:
-                row = (chosen - _unit_starts([units[i] for i in mine], [ks[i] for i in mine], request.where)
+                row = (chosen - _unit_starts(tuple(units[i] for i in mine), tuple(ks[i] for i in mine), request.where)
                        - shift).to(dtype)
             else:
                 row = torch.empty(sum(k for k, leader in zip(ks, lead) if leader == r), dtype=dtype,
@@ -125,7 +126,7 @@ class SharedTopK(Selector):
                 parts.append(rows[leader][taken[leader]:taken[leader] + k])
                 taken[leader] += k
             relative = torch.cat(parts).long() + shift
-            return relative + _unit_starts(units, ks, request.where)
+            return relative + _unit_starts(tuple(units), tuple(ks), request.where)
 
         return Choice(positions)
 
@@ -143,7 +144,7 @@ class SharedTopK(Selector):
         if not units:
             return torch.zeros(0, dtype=torch.int64, device=request.where)
         return topk_units(request.magnitude, [u.offset for u in units], [u.numel for u in units], ks,
-                          request.scratch_mask)
+                          request.scratch_mask, request.reads_on_host)
 
 
 def _position_code(units) -> Tuple[torch.dtype, int]:
@@ -154,8 +155,9 @@ def _position_code(units) -> Tuple[torch.dtype, int]:
     return (torch.int32 if largest <= 2**31 else torch.int64), 0
 
 
+@lru_cache(maxsize=1024)
 def _unit_starts(units, ks, device) -> torch.Tensor:
-    """Each position's unit offset, for ``ks[i]`` positions of ``units[i]`` in turn."""
+    """Each position's unit offset, for ``ks[i]`` positions of ``units[i]`` in turn (kept: no copy per step)."""
     if not units:
         return torch.zeros(0, dtype=torch.int64, device=device)
     offsets = torch.tensor([u.offset for u in units], dtype=torch.int64, device=device)
