@@ -74,6 +74,7 @@ Example (one process: the average is the rank's own sparse gradient)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -211,8 +212,7 @@ class SparseCompressor:
         whose ``grad`` holds inf or NaN on some rank is discarded on every
         rank (``grad`` then holds NaN, the residuals keep their values).
         """
-        units = tuple(Unit(k, offset, n) for k, offset, n in layout if n)
-        starts = torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=grad.device)
+        units, starts = _units_and_starts(layout, grad.device)
         marks = torch.where(torch.isfinite(grad).all(), 1.0, float("nan")).expand(len(layout))  # no idle parameter
         pending = self.begin(grad, units, starts, marks, key=key, layout=layout, group=group, step=step,
                              density=density)
@@ -235,6 +235,7 @@ class SparseCompressor:
         ``momentum`` None: no velocity; ``everything``: send every position
         (under AllGather also where the gather would cost more, :func:`sends_everything`).
         """
+        group = dist.group.WORLD if group is None else group  # (what a selector's own collectives name)
         options, world = self.options, dist.get_world_size(group)
         residual = velocity = None
         if options.error_feedback:
@@ -460,6 +461,13 @@ class SparseCompressor:
             sent = pending.sent if inv_scale is None else pending.sent * inv_scale
             put(pending.velocity, positions,
                 sent if frozen is None else torch.where(frozen, pending.velocity_before, sent), whole)
+
+
+@lru_cache(maxsize=256)
+def _units_and_starts(layout: Layout, device: torch.device) -> Tuple[Tuple[Unit, ...], torch.Tensor]:
+    """A layout's units (one per parameter) and the offsets where its parameters start, on ``device`` (kept)."""
+    starts = torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=device)
+    return tuple(Unit(key, offset, n) for key, offset, n in layout if n), starts
 
 
 def _count(counters: CommStats, elements: int, sent_bytes: int, elements_dense: int, bytes_dense: int) -> None:
