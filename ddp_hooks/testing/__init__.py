@@ -22,6 +22,11 @@ Design (each point is a trap some harness fell into):
   is at the call.
 * The rendezvous is a ``FileStore`` in a fresh temporary folder: no port to
   collide with a concurrent test run.
+* No rank runs the function before every rank has joined the group:
+  ``init_process_group`` has no barrier of its own, and a rank whose
+  function returned at once used to leave, closing its sockets, while a
+  slower peer was still in gloo's rendezvous ("Gloo connectFullMesh failed
+  ... Connection closed by peer").
 * Children are joined against one deadline; when it passes, every live child
   is killed and joined (no zombies) and ``TimeoutError`` names them.
 * A child's exception is pickled back and re-raised in the parent with the

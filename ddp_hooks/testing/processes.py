@@ -57,6 +57,22 @@ def _write_atomic(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def _wait_for_every_rank(path, rank, world_size, timeout):
+    """Return once every rank has returned from ``init_process_group``.
+
+    ``init_process_group`` ends on each rank on its own (no barrier unless
+    ``TORCH_DIST_INIT_BARRIER=1``): without this wait, a rank whose ``fn``
+    returns at once leaves, closing its sockets, while a slower peer is still
+    in gloo's rendezvous, which then fails with "Gloo connectFullMesh failed
+    ... Connection closed by peer".
+    """
+    import torch.distributed as dist
+
+    store = dist.FileStore(path, world_size)
+    store.set(f"rank{rank}", "joined")
+    store.wait([f"rank{r}" for r in range(world_size)], timedelta(seconds=timeout))
+
+
 def _child_main(fn, rank, world_size, store_path, result_dir, backend, timeout, environ, args, kwargs):
     # The parent's environment as it is now (a forkserver's child inherits the server's, from its start)
     os.environ.clear()
@@ -77,6 +93,7 @@ def _child_main(fn, rank, world_size, store_path, result_dir, backend, timeout, 
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
+        _wait_for_every_rank(os.path.join(result_dir, "joined"), rank, world_size, timeout)
         value = fn(rank, world_size, *args, **kwargs)
         payload = {"ok": True, "value": value}
         try:
@@ -137,7 +154,7 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
 
     Each process joins a fresh process group (``backend``, default gloo on
-    CPU) before ``fn`` runs and leaves it afterwards.
+    CPU), waits until every rank has joined, runs ``fn`` and leaves the group.
 
     Args:
         fn: a module-level (picklable) function.
