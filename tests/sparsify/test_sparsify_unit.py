@@ -187,15 +187,30 @@ def test_a_unit_short_of_draws_keeps_its_first_positions_and_the_others_choose_a
     draws.split_units.cache_clear()  # the plans cached above were made with the real number of draws
     try:
         got = draws.random_subsets(*args)
-        again = draws.random_subsets(*args)
+        without_host_reads = draws.random_subsets(*args, reads_on_host=False)
     finally:
         draws.split_units.cache_clear()  # nor may later tests see plans made with too few draws
-    assert torch.equal(got, again)
+    assert torch.equal(got, without_host_reads)
     # 300 distinct draws of 3000 (a chance of about e^-15) and 60 of 100 (none): both units fall short
     assert got[:300].tolist() == list(range(300)) and got[300:360].tolist() == list(range(3000, 3060))
     # 50 of 5000 are all distinct with a chance of about e^-0.25: the unit is short or chooses as before
     assert got[360:].tolist() in (expected[360:].tolist(), list(range(3100, 3150)))
     assert not torch.equal(got[:360], expected[:360])
+
+
+@pytest.mark.parametrize("method", ["randomk", "random_block"])
+def test_the_draws_are_the_same_without_host_reads(method):
+    """Where no count may be read on the host, kept draws are written to their slots: the same positions."""
+    from ddp_hooks.sparsify.selectors.draws import random_subsets
+    from ddp_hooks.sparsify.selectors.random_block import random_blocks
+
+    for step in range(20):
+        args = ([0, 3000, 3100, 9000], [3000, 100, 5000, 200_000], [300, 60, 50, 3000], [4, 5, 6, 9])
+        if method == "randomk":
+            draw = lambda host: random_subsets(*args, 7, step, SHARED, torch.device("cpu"), reads_on_host=host)
+        else:
+            draw = lambda host: random_blocks(*args, 4, 7, step, SHARED, torch.device("cpu"), reads_on_host=host)
+        assert torch.equal(draw(True), draw(False))
 
 
 def test_random_subsets_cover_all_positions_alike_across_steps():

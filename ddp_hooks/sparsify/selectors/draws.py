@@ -303,7 +303,8 @@ def draws_needed(n: int, k: int) -> int:
 
 
 def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int], keys: Sequence[int],
-                   seed: int, step: int, rank: int, device: torch.device) -> torch.Tensor:
+                   seed: int, step: int, rank: int, device: torch.device,
+                   reads_on_host: Optional[bool] = None) -> torch.Tensor:
     """Absolute positions: a uniform ``ks[u]``-subset of each unit, unit by unit (unordered within a unit).
 
     Args:
@@ -312,9 +313,15 @@ def random_subsets(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[in
         keys (ints): each unit's key; with ``seed``, ``step`` and ``rank`` it
             gives the unit's seed ``derive_seed(seed, step, key, rank)``.
         device: where the positions are made.
+        reads_on_host (bool): whether the number of kept draws may be read on
+            the host (default: on the CPU only), which spares the common case
+            the writes to slots; the result is the same either way.
     """
-    dense, plan = split_units(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), torch.device(device))
-    from_draws = None if plan is None else _first_distinct_draws(plan, seed, step, rank)
+    device = torch.device(device)
+    dense, plan = split_units(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), device)
+    if reads_on_host is None:
+        reads_on_host = device.type == "cpu"
+    from_draws = None if plan is None else _first_distinct_draws(plan, seed, step, rank, reads_on_host)
     if not any(dense):
         return from_draws
     parts: List[torch.Tensor] = []
@@ -382,20 +389,24 @@ def draw_plan(offsets, sizes, ks, keys, draws, device) -> DrawPlan:
                     slot_start.index_select(0, unit), fallback)
 
 
-def _first_distinct_draws(plan: DrawPlan, seed: int, step: int, rank: int) -> torch.Tensor:
-    """For each unit, the first ``k_u`` distinct values of ``d_u`` hashed draws."""
+def _first_distinct_draws(plan: DrawPlan, seed: int, step: int, rank: int, reads_on_host: bool) -> torch.Tensor:
+    """For each unit, the first ``k_u`` distinct values of ``d_u`` hashed draws (its first ``k_u`` if it fell short)."""
     unit_seed = derive_seeds(seed, step, plan.keys_t, rank).index_select(0, plan.unit)
     position = uniform_below(splitmix64_tensor(unit_seed.add_(plan.stride)), plan.size).add_(plan.offset)
     # Units are disjoint, so a value's first draw among all draws is its first in its unit.
     new_value = first_draws(position, max(o + n for o, n in zip(plan.offsets, plan.sizes)))
     distinct = torch.cumsum(new_value, 0)  # distinct values up to each draw, inclusive
     at_first = distinct.index_select(0, plan.first)  # a unit's first draw is always new
-    have = distinct.index_select(0, plan.last) - at_first + 1
-    # A new value is kept while its unit has fewer than k_u, distinct < at_first + k_u, and goes to its slot
-    # among the unit's k_u. A unit that fell short (have < k_u, a chance below 1e-9) keeps the fallback, its
-    # first k_u positions: no count is read on the host, and the output's size is the sum of the budgets.
+    # a new value is kept while its unit has fewer than k_u: distinct < at_first + k_u
     kept = new_value & (distinct < (at_first + plan.ks_t).index_select(0, plan.unit))
+    total = plan.fallback.numel() - 1
+    if reads_on_host:  # where the host may read the count: every unit had its k_u, but for a vanishing chance
+        chosen = torch.masked_select(position, kept)
+        if chosen.numel() == total:
+            return chosen
+    # Each kept value goes to its slot among its unit's k_u, so the output's size is the sum of the budgets,
+    # known on the host. A unit that fell short (have < k_u) keeps the fallback, its first k_u positions.
+    have = distinct.index_select(0, plan.last) - at_first + 1
     kept &= (have >= plan.ks_t).index_select(0, plan.unit)
-    slot = plan.slot_start + distinct - at_first.index_select(0, plan.unit)
-    slot = torch.where(kept, slot, plan.fallback.numel() - 1)
+    slot = (distinct - at_first.index_select(0, plan.unit)).add_(plan.slot_start).masked_fill_(~kept, total)
     return plan.fallback.clone().scatter_(0, slot, position)[:-1]

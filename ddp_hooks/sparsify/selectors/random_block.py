@@ -45,7 +45,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -101,7 +101,8 @@ def block_plan(offsets: Tuple[int, ...], sizes: Tuple[int, ...], ks: Tuple[int, 
 
 
 def random_blocks(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int], keys: Sequence[int],
-                  block_size: int, seed: int, step: int, rank: int, device: torch.device) -> torch.Tensor:
+                  block_size: int, seed: int, step: int, rank: int, device: torch.device,
+                  reads_on_host: Optional[bool] = None) -> torch.Tensor:
     """Absolute positions (int64): ``ks[u]`` entries of unit ``u`` in random blocks, unit by unit.
 
     Args:
@@ -111,6 +112,7 @@ def random_blocks(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int
             gives the unit's seed.
         block_size (int): entries per block, >= 1.
         device: where the positions are made.
+        reads_on_host (bool): passed to :func:`~.draws.random_subsets` (the same blocks either way).
 
     Within a unit the positions come block by block in draw order; a unit
     sent whole (``k == n``) has phase 0.
@@ -118,7 +120,8 @@ def random_blocks(offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int
     plan = block_plan(tuple(offsets), tuple(sizes), tuple(ks), tuple(keys), int(block_size), torch.device(device))
     b = int(block_size)
     # 3. the drawn blocks (indices laid end to end over the units), in draw order
-    drawn = random_subsets(plan.block_offsets, plan.block_counts, plan.draws, tuple(keys), seed, step, rank, device)
+    drawn = random_subsets(plan.block_offsets, plan.block_counts, plan.draws, tuple(keys), seed, step, rank, device,
+                           reads_on_host)
     local = drawn - plan.block_start.index_select(0, plan.unit)  # block index within its unit
     n = plan.size.index_select(0, plan.unit)
     length = torch.minimum(n - local * b, torch.full_like(n, b))  # the unit's last block may be shorter
@@ -168,4 +171,5 @@ class RandomBlock(Selector):
     def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
         units = request.units
         return random_blocks([u.offset for u in units], [u.numel for u in units], ks, [u.key for u in units],
-                             self.block_size, request.seed, request.step, request.rank, request.where)
+                             self.block_size, request.seed, request.step, request.rank, request.where,
+                             request.reads_on_host)

@@ -37,4 +37,4 @@ class RandomK(Selector):
     def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
         units = request.units
         return random_subsets([u.offset for u in units], [u.numel for u in units], ks, [u.key for u in units],
-                              request.seed, request.step, request.rank, request.where)
+                              request.seed, request.step, request.rank, request.where, request.reads_on_host)
