@@ -79,7 +79,7 @@ class SparsifyState:
     ``stats()["nonfinite_steps"]`` counts such steps.
 
     The error-feedback and momentum recursions, with their invariants, are in
-    :mod:`ddp_hooks.sparsify.error_feedback`.
+    :mod:`ddp_hooks.sparsify.compressor`.
 
     Example::
 
