@@ -146,7 +146,7 @@ class KernelBucket:
         pending = compressor.begin(self.grad, self.units, self.starts, marks, key=0, layout=self.layout, group=None,
                                    step=state.step, density=state.density_at(state.step))
         compressor.send(pending)
-        bad, parts = compressor.receive(pending)
+        bad, parts = compressor.unpack(pending)
         discard = torch.stack([bad]).any()  # the step's one verdict
         state.nonfinite.add(discard)
         output = target = None

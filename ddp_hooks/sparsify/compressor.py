@@ -17,12 +17,15 @@ it, in this order (:meth:`SparseCompressor.exchange` runs them in one call):
 4. **communicate**: AllReduce when every rank chose the same positions,
    AllGather otherwise (with each rank's positions where they cannot be
    recomputed elsewhere); the collective's own future is kept;
-5. **unpack**: once the collective has finished, the average is written
-   into an all-zero target (a sum per rank, in rank order, under AllGather);
+5. **unpack**: once the collective has finished, what arrived is read as
+   each rank's positions and values (recomputed positions drawn here, not in
+   the backend's callback), and whether any rank sent a non-finite value;
 6. **fold**: what was not sent stays, ``e = p - c`` (``c`` the sent values;
    the wire dtype's rounding stays too), and the velocity takes what was
    sent; a discarded step (any rank's gradient non-finite) leaves both as
-   they were. Fold runs before unpack where the target is the gradient.
+   they were. Then the average is **written** into an all-zero target (a sum
+   per rank, in rank order, under AllGather): after the fold, which reads
+   the gradient the target may be.
 
 The recursion per rank, with ``S_t`` the positions it sends (residual
 ``e`` and velocity ``w`` start at 0, float32):
@@ -41,16 +44,18 @@ gradients, and a velocity stepped every step would multiply that burst by
 the burst is one heavy-ball step. At density 1 this is momentum SGD.
 
 A carrier (the DDP hook, :mod:`.hook`) may split the stages: :meth:`begin`
-(compensate, select), :meth:`send` (pack, communicate), :meth:`receive`
-(the arrived values and whether any is non-finite) and :meth:`finish`
-(fold, unpack), so that it can start a bucket's selection before the last
-one's positions have arrived and decide one verdict for a whole step.
+(compensate, select), :meth:`send` (pack, communicate), :meth:`unpack` (what
+arrived, and whether any of it is non-finite) and :meth:`finish` (fold,
+write), so that it can start a bucket's selection before the last one's
+positions have arrived and decide one verdict for a whole step.
 
 **Futures** follow PyTorch's CUDA semantics: a :class:`PendingExchange`
-keeps the collective's own future, whose value is read only through
+keeps the collective's own future, whose output is read only after
 ``wait()`` (which makes the current stream wait for the collective's) or
-inside a callback chained on that very future; nothing computes in a
-backend's callback, so no table or buffer is shared between streams.
+inside a callback chained on that very future (which PyTorch runs on a
+stream that waited). The DDP carrier computes nothing in a backend's
+callback; :meth:`exchange` unpacks, folds and writes in one chained on the
+collective's future, on that stream, whose event the returned future holds.
 
 **No host syncs** where the device would stall: a branch that reads a tensor
 on the host is taken only where :func:`host_reads_free` says so (the CPU).
@@ -197,7 +202,6 @@ class SparseCompressor:
     def __init__(self, options, counters: Optional[CommStats] = None) -> None:
         self.options = options
         self.selector = options.selector
-        self.value_dtype = None if options.value_dtype is None else getattr(torch, options.value_dtype)
         self.residuals = ResidualStore()
         self.velocities = ResidualStore()  # per rank, like the residuals; used while a velocity runs
         self.scratch = ScratchMemory()  # |p| and top-k's candidate mask, kept from step to step
@@ -210,7 +214,9 @@ class SparseCompressor:
 
         Each parameter of ``layout`` is a unit with its own budget; a step
         whose ``grad`` holds inf or NaN on some rank is discarded on every
-        rank (``grad`` then holds NaN, the residuals keep their values).
+        rank (``grad`` then holds NaN, the residuals keep their values). Wait
+        for the returned future (or chain on it) before the next exchange of
+        the same ``key``: its fold writes the residual that one reads.
         """
         units, starts = _units_and_starts(layout, grad.device)
         marks = torch.where(torch.isfinite(grad).all(), 1.0, float("nan")).expand(len(layout))  # no idle parameter
@@ -218,12 +224,12 @@ class SparseCompressor:
                              density=density)
         self.send(pending)
 
-        def finish(_):
-            bad, parts = self.receive(pending)
+        def fold_and_write(_):
+            bad, parts = self.unpack(pending)
             self.finish(pending, parts, discard=bad)
             return grad
 
-        return pending.future.then(finish)
+        return pending.future.then(fold_and_write)
 
     # ----- stages 1 and 2 -----
     def begin(self, grad: torch.Tensor, units: Sequence[Unit], starts: torch.Tensor, marks: Optional[torch.Tensor],
@@ -242,7 +248,7 @@ class SparseCompressor:
             residual = self.residuals.bucket_residual(key, layout, grad.numel(), grad.device)
         if momentum is not None:
             velocity = self.velocities.bucket_residual(key, layout, grad.numel(), grad.device)
-        value_bytes = (self.value_dtype or grad.dtype).itemsize
+        value_bytes = options.wire_dtype(grad.dtype).itemsize
         everything = everything or sends_everything(options, density, world, value_bytes, grad.numel())
         shared = everything or options.aggregation == "allreduce"
         request = SelectionRequest(units=tuple(units), density=density, seed=options.seed, step=step,
@@ -298,7 +304,7 @@ class SparseCompressor:
         values = self.compensate(pending, at=positions)
         if values is grad and dense:  # nothing carried: the gradient itself, which `values` must not change
             values = values.clone()
-        wire_dtype = pending.wire_dtype = self.value_dtype or grad.dtype
+        wire_dtype = pending.wire_dtype = self.options.wire_dtype(grad.dtype)
         # Where no scale or decay enters the update, cancel the residual now, while the lines just read are
         # in cache: grad = -e at the sent positions makes the fold's e + grad exactly 0 there, and spares it
         # a scattered write into e (grad is overwritten with the result in any case).
@@ -354,7 +360,7 @@ class SparseCompressor:
         pending.future = _all_gather_into(pending.arrival.view(-1), payload, group).get_future()
 
     # ----- stages 5 and 6 -----
-    def receive(self, pending: PendingExchange) -> Tuple[torch.Tensor, List[Tuple[torch.Tensor, torch.Tensor]]]:
+    def unpack(self, pending: PendingExchange) -> Tuple[torch.Tensor, List[Tuple[torch.Tensor, torch.Tensor]]]:
         """Once the collective has finished: whether any rank sent a non-finite value, and each rank's
         ``(positions, values)`` (one pair, the sum, under AllReduce).
 
@@ -378,7 +384,7 @@ class SparseCompressor:
 
     def finish(self, pending: PendingExchange, parts, *, discard: torch.Tensor,
                target: Optional[torch.Tensor] = None, inv_scale: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
-        """Fold, then unpack into ``target``; returns the positions written.
+        """Fold, then write the average into ``target``; returns the positions written.
 
         ``target``: a vector holding zeros where the step does not write (a
         whole step writes everywhere); by default the gradient, zeroed once
@@ -388,9 +394,9 @@ class SparseCompressor:
             self.fold(pending, discard=discard, inv_scale=inv_scale, beta=self.options.error_feedback_beta)
         if target is None:
             target = pending.grad if pending.dense else pending.grad.zero_()
-        return self.unpack(pending, parts, target)
+        return self.write(pending, parts, target)
 
-    def unpack(self, pending: PendingExchange, parts, target: torch.Tensor) -> List[torch.Tensor]:
+    def write(self, pending: PendingExchange, parts, target: torch.Tensor) -> List[torch.Tensor]:
         """Write the average into the all-zero ``target``; returns the positions written, one tensor per part."""
         if pending.shared:
             (positions, received), = parts
@@ -471,6 +477,7 @@ def _units_and_starts(layout: Layout, device: torch.device) -> Tuple[Tuple[Unit,
 
 
 def _count(counters: CommStats, elements: int, sent_bytes: int, elements_dense: int, bytes_dense: int) -> None:
+    # CommStats.add, written out: one bucket's path stays within the sparsifier's own modules
     counters.elements_sent += elements
     counters.bytes_sent += sent_bytes
     counters.elements_dense += elements_dense

@@ -1,8 +1,8 @@
 r"""The sparsifying DDP communication hook: the DDP carrier of :class:`~.compressor.SparseCompressor`.
 
 Per rank, per step, each bucket DDP hands over goes through the compressor
-(compensate, select, pack, communicate; then unpack and fold: its module
-docstring gives the maths, after Eghlidi & Jaggi 2020, arXiv 2009.09271)
+(compensate, select, pack, communicate; then unpack, fold and write: its
+module docstring gives the maths, after Eghlidi & Jaggi 2020, arXiv 2009.09271)
 with a budget per unit of selection (a layer, the bucket, or all buckets:
 :class:`~ddp_hooks.SparsifyState`'s ``scope``). What this carrier adds, and
 only it knows, is DDP's:
@@ -32,11 +32,12 @@ only it knows, is DDP's:
   the compressor where the hook runs momentum or weight decay of its own),
   then the density falls from 1 to ``density`` over ``density_warmup_steps``.
 
-**Futures.** Every future the hook returns is the step's completion future
-chained by ``then()``: made with the bucket's device, it is completed at the
-end of the step's commit, which records an event on the commit's stream;
-DDP's ``wait()`` makes its stream wait for that event. The commit itself
-reads each exchange through ``wait()`` on the collective's own future.
+**Futures.** Every future the hook returns is chained by ``then()``: on the
+step's completion future, which is made with the bucket's device and set at
+the end of the step's commit (recording an event on the commit's stream, for
+which DDP's ``wait()`` makes its stream wait); in a plain-allreduce warm-up
+step, on the collective's own future. The commit reads each exchange through
+``wait()`` on the collective's own future.
 
 Example (one process, so the average is the rank's own sparse gradient)::
 
@@ -73,11 +74,11 @@ from .state import SparsifyState
 
 __all__ = ["sparsify_hook", "StepRun", "scan", "present_update"]
 
-# What the carrier keeps of one bucket's exchange until the end of the step: the exchange, where its
-# update is remembered for the optimizer's momentum (bucket index, layout, starts, momentum; or None), the
-# result vector that receives it instead of the bucket (or None), and with scope="global" the buckets
-# that receive the joined result's chunks (or None).
-Exchange = Tuple[PendingExchange, Optional[tuple], Optional[SparseOutput], Optional[List[torch.Tensor]]]
+# What the carrier keeps of one bucket's exchange until the end of the step, a plain tuple (no record of its
+# own on the bucket's path): the exchange; where its update is remembered for the optimizer's momentum
+# (bucket index, layout, starts, momentum), or None; the result vector that receives the average instead of
+# the bucket, or None; with scope="global", the buckets that receive the joined average's chunks, or None.
+BucketExchange = Tuple[PendingExchange, Optional[tuple], Optional[SparseOutput], Optional[List[torch.Tensor]]]
 
 
 class StepRun:
@@ -86,9 +87,9 @@ class StepRun:
     __slots__ = ("started", "sent", "waiting", "scale", "done")
 
     def __init__(self, scale: Optional[torch.Tensor], device: torch.device) -> None:
-        self.started: List[Exchange] = []  # selected, in bucket order; sent by the hook a bucket later at most
-        self.sent: List[Exchange] = []  # their collectives launched, in launch order
-        self.waiting: list = []  # scope="global": (buffer, layout, starts, marks, decay) of the buckets so far
+        self.started: List[BucketExchange] = []  # selected, in bucket order; sent by the hook a bucket later at most
+        self.sent: List[BucketExchange] = []  # their collectives launched, in launch order
+        self.waiting: list = []  # scope="global": (buffer, layout, starts, marks, decay) of each bucket so far
         self.scale = scale  # the loss scale S as a 0-dim tensor, or None without a grad scaler
         # set once the step is committed; with the device, so that setting it records an event on the stream
         self.done = torch.futures.Future(devices=None if device.type == "cpu" else [device])
@@ -132,35 +133,29 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     marks = scan(buffer, gradients, starts)
     decay = _decay(options.weight_decay, bucket.parameters(), layout, buffer)
     density = options.density_at(state.step)
-    result = buffer
-    if options.scope == "global" and not dense:
+    grad, key, result_vector, global_buffers = buffer, index, None, None
+    if options.scope == "global" and not dense:  # all buckets in one exchange, at the last
         run.waiting.append((buffer, layout, starts, marks, decay))
         if not last:
             return _after_commit(run, buffer)
-        grad, layout, starts, marks, decay, outputs = _join(run)
-        momentum = velocity_momentum(options, state.momenta, layout, grad.device)
-        pending = compressor.begin(grad, _units(layout, "global", GLOBAL_BUCKET, grad.numel()), starts, marks,
-                                   key=GLOBAL_BUCKET, layout=layout, group=state.binding.group, step=state.step,
-                                   density=density, scale=run.scale, decay=decay, momentum=momentum)
-        run.started.append((pending, _update_record(state, GLOBAL_BUCKET, layout, starts, momentum, False), None,
-                            outputs))
-    else:
-        momentum = velocity_momentum(options, state.momenta, layout, buffer.device)
-        pending = compressor.begin(buffer, _units(layout, options.scope, index, buffer.numel()), starts, marks,
-                                   key=index, layout=layout, group=state.binding.group, step=state.step,
-                                   density=density, scale=run.scale, decay=decay, momentum=momentum,
-                                   everything=dense)
-        # where it pays, the result goes to a vector kept at zero between steps
-        output = None if dense else state.results.for_bucket(index, buffer, gradients, bucket.parameters())
-        run.started.append((pending, _update_record(state, index, layout, starts, momentum, dense), output, None))
-        result = buffer if output is None else output.tensor
+        grad, layout, starts, marks, decay, global_buffers = _join(run)
+        key = GLOBAL_BUCKET
+    elif not dense:  # where it pays, the average goes to a vector kept at zero between steps
+        result_vector = state.results.for_bucket(index, buffer, gradients, bucket.parameters())
+    momentum = velocity_momentum(options, state.momenta, layout, grad.device)
+    pending = compressor.begin(grad, _units(layout, options.scope, key, grad.numel()), starts, marks, key=key,
+                               layout=layout, group=state.binding.group, step=state.step, density=density,
+                               scale=run.scale, decay=decay, momentum=momentum, everything=dense)
+    run.started.append((pending, _update_record(state, key, layout, starts, momentum, dense), result_vector,
+                        global_buffers))
     # Send what has started, in bucket order on every rank; a selection still waiting for its selector's
     # collectives waits until the next bucket has started its own (or until the last bucket).
-    keep = 1 if not last and pending.choice.waits else 0
-    for exchange in run.started[:len(run.started) - keep]:
+    ready = run.started if last or not pending.choice.waits else run.started[:-1]
+    for exchange in ready:
         compressor.send(exchange[0])
-        run.sent.append(exchange)
-    del run.started[:len(run.started) - keep]
+    run.sent.extend(ready)
+    run.started = run.started[len(ready):]
+    result = buffer if result_vector is None else result_vector.tensor
     if last:
         _commit_when_arrived(state, run, result)
         _end_step(state, index, compressed=not dense)
@@ -186,7 +181,7 @@ def _end_step(state: SparsifyState, last_index: int, compressed: bool) -> None:
     compressor = state.compressor
     for store in (compressor.residuals, compressor.velocities, state.last_updates, state.results, state.layouts):
         store.drop_buckets_after(last_index)
-    if state.loaded is not None and state.loaded.keys is not None:
+    if state.loaded is not None and state.loaded.keys is not None:  # (after a load only: the steady state skips it)
         checkpoint.check_loaded_keys(state, compressed)
 
 
@@ -203,7 +198,7 @@ def _commit_when_arrived(state: SparsifyState, run: StepRun, last_result: torch.
     """Once every exchange of the step has arrived: one verdict, then fold and write each; complete the step.
 
     The exchanges' values cross into this callback from their own futures,
-    so the commit reads them through ``wait()`` (:meth:`~.compressor.SparseCompressor.receive`),
+    so the commit reads them through ``wait()`` (:meth:`~.compressor.SparseCompressor.unpack`),
     which on a GPU makes this stream wait for each collective's stream; the
     step's future, made with the device, then records this stream's event
     when it is set, and every bucket's future is chained on it.
@@ -222,10 +217,10 @@ def _commit_when_arrived(state: SparsifyState, run: StepRun, last_result: torch.
     torch.futures.collect_all([pending.future for pending, *_ in exchanges]).then(commit_step)
 
 
-def _commit(state: SparsifyState, exchanges: Sequence[Exchange], scale: Optional[torch.Tensor]) -> None:
+def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Optional[torch.Tensor]) -> None:
     """Apply the step's arrived exchanges: the same verdict on every rank (all saw the same data)."""
     compressor = state.compressor
-    arrived = [compressor.receive(pending) for pending, *_ in exchanges]
+    arrived = [compressor.unpack(pending) for pending, *_ in exchanges]
     discard = torch.stack([bad for bad, _ in arrived]).any()
     state.nonfinite.add(discard)
     inv_scale = None if scale is None else scale.reciprocal()
@@ -234,17 +229,19 @@ def _commit(state: SparsifyState, exchanges: Sequence[Exchange], scale: Optional
     applied = True
     if any(update is not None for _, update, _, _ in exchanges) and host_reads_free(discard.device):
         applied = not bool(discard)
-    for (pending, update, output, outputs), (_, parts) in zip(exchanges, arrived):
-        target = None if output is None else (output.overwrite() if pending.dense else output.clear())
+    for (pending, update, result_vector, global_buffers), (_, parts) in zip(exchanges, arrived):
+        target = None  # the gradient itself, zeroed once folded, or the vector kept at zero
+        if result_vector is not None:
+            target = result_vector.overwrite() if pending.dense else result_vector.clear()
         written = compressor.finish(pending, parts, discard=discard, target=target, inv_scale=inv_scale)
-        target = pending.grad if output is None else output.tensor
+        target = pending.grad if result_vector is None else result_vector.tensor
         if update is not None and applied:
             written = present_update(state.last_updates, update, target, written, scale, inv_scale,
                                      whole=pending.dense, discard=discard)
-        if output is not None:
-            output.written = written
-        if outputs is not None:
-            for buffer, chunk in zip(outputs, pending.grad.split([b.numel() for b in outputs])):
+        if result_vector is not None:
+            result_vector.written = written
+        if global_buffers is not None:
+            for buffer, chunk in zip(global_buffers, pending.grad.split([b.numel() for b in global_buffers])):
                 buffer.copy_(chunk)
 
 
@@ -268,25 +265,28 @@ def _update_record(state: SparsifyState, key: int, layout: Layout, starts: torch
 
 
 @lru_cache(maxsize=1024)
-def _units(layout: Layout, scope: str, index: int, numel: int) -> Tuple[Unit, ...]:
-    """The units of selection of a bucket (kept: a bucket's layout repeats from step to step)."""
+def _units(layout: Layout, scope: str, key: int, numel: int) -> Tuple[Unit, ...]:
+    """The units of selection of a bucket ``key`` or of all (GLOBAL_BUCKET), kept: a layout repeats every step.
+
+    Layer scope: one per parameter, keyed by the parameter (an empty one has
+    no budget); else one for the whole vector, keyed by its bucket (0 for all).
+    """
     if scope == "layer":
-        return tuple(Unit(key, offset, n) for key, offset, n in layout if n)  # an empty one has no budget
-    return (Unit(0 if scope == "global" else index, 0, numel),)
+        return tuple(Unit(param, offset, n) for param, offset, n in layout if n)
+    return (Unit(0 if key == GLOBAL_BUCKET else key, 0, numel),)
 
 
 def _join(run: StepRun):
     """The waiting buckets laid end to end: one flat gradient, its layout, starts, marks, decay, and the buckets."""
-    waiting, run.waiting = run.waiting, []
-    buffers = [w[0] for w in waiting]
+    buffers, layouts, bucket_starts, bucket_marks, decays = zip(*run.waiting)
+    run.waiting = []
     layout, starts, shift = [], [], 0
-    for buffer, bucket_layout, bucket_starts, _, _ in waiting:
+    for buffer, bucket_layout, starts_of_bucket in zip(buffers, layouts, bucket_starts):
         layout.extend((key, offset + shift, n) for key, offset, n in bucket_layout)
-        starts.append(bucket_starts + shift)
+        starts.append(starts_of_bucket + shift)
         shift += buffer.numel()
-    decay = None if waiting[0][4] is None else torch.cat([w[4] for w in waiting])
-    return (torch.cat(buffers), tuple(layout), torch.cat(starts), torch.cat([w[3] for w in waiting]), decay,
-            buffers)
+    decay = None if decays[0] is None else torch.cat(decays)
+    return torch.cat(buffers), tuple(layout), torch.cat(starts), torch.cat(bucket_marks), decay, list(buffers)
 
 
 def _decay(weight_decay: float, params: Sequence[torch.Tensor], layout: Layout,

@@ -1,4 +1,4 @@
-r"""What the sparsifying compressor keeps from step to step, per parameter: residuals, last updates, result vectors.
+r"""What the sparsifier keeps from step to step, per parameter: layouts, residuals, last updates, result vectors.
 
 Everything a rank keeps for a parameter is keyed by the parameter's key, not
 by the bucket it sits in. :class:`BucketLayouts` numbers the parameters in
@@ -329,6 +329,7 @@ class LastUpdates:
             self._unplace(index)
 
     def _unplace(self, bucket_index: int) -> None:
+        # (reads on the host: it runs at a bucket rebuild and at a save, never in the steady state)
         layout, (positions, values, _) = self._by_bucket.pop(bucket_index)
         if not positions.numel():
             return
@@ -404,7 +405,12 @@ class SparseOutputs:
 
     def for_bucket(self, index: int, buffer: torch.Tensor, gradients: Sequence[torch.Tensor],
                    params: Sequence[torch.Tensor]) -> Optional[SparseOutput]:
-        """The bucket's result vector, or ``None`` where the result belongs in ``buffer`` itself (see above)."""
+        """The bucket's result vector, or ``None`` where the result belongs in ``buffer`` itself.
+
+        Only on the CPU, for float32 buckets whose gradients are not views of
+        the bucket (``gradient_as_bucket_view=False``, DDP's default: DDP then
+        copies the result into ``.grad`` in any case); on GPUs a zero fill is cheap.
+        """
         if buffer.device.type != "cpu" or buffer.dtype != torch.float32 or _grads_are_bucket_views(gradients, params):
             return None
         out = self._by_bucket.get(index)

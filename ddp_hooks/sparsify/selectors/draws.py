@@ -230,11 +230,20 @@ def one_plan_per_layout(budget_args: Union[int, Tuple[int, ...]], max_layouts: i
 #: Largest value range (entries) given a table: 2**22 int32 entries, 16 MiB.
 TABLE_LIMIT = 1 << 22
 _EMPTY = 2**31 - 1  # larger than any draw index
-_tables = threading.local()  # per thread: {device: int32 table}; two backward passes never share one
+_tables = threading.local()  # per thread: {device (and stream on a GPU): int32 table}
 
 
 def first_draws(values: torch.Tensor, value_range: int, use_table: Optional[bool] = None) -> torch.Tensor:
     """Bool per draw: True where ``values[j]`` differs from every earlier ``values[i]``, ``i < j``.
+
+    Two ways, with bitwise the same marks: a stable sort of the values groups
+    equal values in draw order, the first of each run marked (``O(d log d)``);
+    or an int32 table over ``[0, value_range)``, all ``2**31 - 1`` between
+    calls, where ``table[x_j] = min(table[x_j], j)`` over all draws leaves each
+    value's first draw, so draw ``j`` is first iff ``table[x_j] == j``, and the
+    drawn entries are reset (``O(d)``). The table is kept per thread, device
+    and, on a GPU, stream, so that the calls that share it run in order; a
+    call that fails drops it rather than leave entries set.
 
     Args:
         values (Tensor): int64 draws, each in ``[0, value_range)``, 1-D (a
@@ -257,7 +266,7 @@ def first_draws(values: torch.Tensor, value_range: int, use_table: Optional[bool
     except BaseException:
         # a value out of range (or an interrupt) may have left entries set: drop the table, so that no later
         # call reads them; the next call makes a fresh one
-        _tables.by_device.pop(values.device, None)
+        _tables.by_device.pop(_table_key(values.device), None)
         raise
     return first
 
@@ -271,15 +280,23 @@ def _by_sort(values: torch.Tensor, value_range: int) -> torch.Tensor:
 
 
 def _table(value_range: int, device: torch.device) -> torch.Tensor:
-    """This thread's empty table for ``device``, at least ``value_range`` long (a prefix view)."""
+    """This thread's empty table for ``device`` and its current stream, at least ``value_range`` long (a prefix)."""
     tables = getattr(_tables, "by_device", None)
     if tables is None:
         tables = _tables.by_device = {}
-    table = tables.get(device)
+    where = _table_key(device)
+    table = tables.get(where)
     if table is None or table.numel() < value_range:
         with torch.inference_mode(False):  # made under inference mode, it could not be written outside it
-            table = tables[device] = torch.full((value_range,), _EMPTY, dtype=torch.int32, device=device)
+            table = tables[where] = torch.full((value_range,), _EMPTY, dtype=torch.int32, device=device)
     return table[:value_range]
+
+
+def _table_key(device: torch.device):
+    """The device, and on a GPU its current stream: work on one stream is ordered, across streams it is not."""
+    if device.type != "cuda":
+        return device
+    return device, torch.cuda.current_stream(device).cuda_stream
 
 
 # ----- uniform k-subsets -----

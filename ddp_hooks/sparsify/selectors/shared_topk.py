@@ -49,14 +49,13 @@ Example (one process: the rank leads every unit)::
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .base import Choice, SelectionRequest, Selector
-from .topk import topk_units
+from .topk import topk_units, unit_tensors
 
 __all__ = ["SharedTopK", "leaders", "SPREAD_FROM"]
 
@@ -99,15 +98,15 @@ class SharedTopK(Selector):
         units, world = request.units, request.world_size
         rank, lead = _rank_and_leaders(request)
         mine = [i for i, leader in enumerate(lead) if leader == rank]
-        chosen = self._top_k(request, [units[i] for i in mine], [ks[i] for i in mine])
+        my_units, my_ks = tuple(units[i] for i in mine), tuple(ks[i] for i in mine)
+        chosen = self._top_k(request, my_units, my_ks)
         if world == 1:
             return Choice.ready(chosen)
         dtype, shift = _position_code(units)
         rows, works = {}, []  # each leading rank's positions, relative to their unit, less the shift
         for r in sorted(set(lead)):  # one broadcast per leading rank, in rank order on every rank
             if r == rank:
-                row = (chosen - _unit_starts(tuple(units[i] for i in mine), tuple(ks[i] for i in mine), request.where)
-                       - shift).to(dtype)
+                row = (chosen - _unit_starts(my_units, my_ks, request.where) - shift).to(dtype)
             else:
                 row = torch.empty(sum(k for k, leader in zip(ks, lead) if leader == r), dtype=dtype,
                                   device=request.where)
@@ -155,13 +154,12 @@ def _position_code(units) -> Tuple[torch.dtype, int]:
     return (torch.int32 if largest <= 2**31 else torch.int64), 0
 
 
-@lru_cache(maxsize=1024)
 def _unit_starts(units, ks, device) -> torch.Tensor:
-    """Each position's unit offset, for ``ks[i]`` positions of ``units[i]`` in turn (kept: no copy per step)."""
+    """Each position's unit offset, for ``ks[i]`` positions of ``units[i]`` in turn (from tensors kept per layout)."""
     if not units:
         return torch.zeros(0, dtype=torch.int64, device=device)
-    offsets = torch.tensor([u.offset for u in units], dtype=torch.int64, device=device)
-    return offsets.repeat_interleave(torch.tensor(ks, dtype=torch.int64, device=device), output_size=sum(ks))
+    offsets, budgets = unit_tensors(tuple(u.offset for u in units), tuple(ks), device)
+    return offsets.repeat_interleave(budgets, output_size=sum(ks))
 
 
 def _rank_and_leaders(request: SelectionRequest) -> Tuple[int, List[int]]:

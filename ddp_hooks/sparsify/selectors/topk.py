@@ -44,7 +44,7 @@ import torch
 
 from .base import SelectionRequest, Selector
 
-__all__ = ["TopK", "topk_units", "true_positions", "smallest_per_segment"]
+__all__ = ["TopK", "topk_units", "unit_tensors", "true_positions", "smallest_per_segment"]
 
 # Units smaller than this take every entry as a candidate (no sampling).
 _SMALL = 1 << 12
@@ -67,8 +67,10 @@ def _threshold(magnitude: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=256)
-def _unit_tensors(offsets: Tuple[int, ...], ks: Tuple[int, ...], device: torch.device):
-    return torch.tensor(offsets, device=device), torch.tensor(ks, device=device)
+def unit_tensors(offsets: Tuple[int, ...], ks: Tuple[int, ...], device: torch.device):
+    """The units' offsets and budgets as int64 tensors on ``device``, kept: a bucket's repeat from step to step."""
+    return (torch.tensor(offsets, dtype=torch.int64, device=device),
+            torch.tensor(ks, dtype=torch.int64, device=device))
 
 
 def topk_units(magnitude: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int], ks: Sequence[int],
@@ -104,7 +106,7 @@ def topk_units(magnitude: torch.Tensor, offsets: Sequence[int], sizes: Sequence[
             piece = magnitude[o:o + n]
             torch.ge(piece, _threshold(piece, k), out=mask[o:o + n])
     candidates = true_positions(mask)
-    offsets_t, ks_t = _unit_tensors(tuple(offsets), tuple(ks), device)
+    offsets_t, ks_t = unit_tensors(tuple(offsets), tuple(ks), device)
     unit = torch.searchsorted(offsets_t, candidates, right=True) - 1
     found = torch.bincount(unit, minlength=len(ks))
     short = [u for u in torch.nonzero(found < ks_t).squeeze(1).tolist() if u not in direct]
