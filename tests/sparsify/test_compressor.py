@@ -33,3 +33,30 @@ def test_every_rank_gets_the_same_average_and_no_gradient_is_lost(method, aggreg
     kept = sum(r[2] for r in rows)
     assert torch.allclose(given, 2 * averages[0].double().sum(0) + kept, atol=1e-5)
     assert all(r[3] == 5 * (15 + 35) for r in rows)  # ceil(0.05 * 300) + ceil(0.05 * 700) a step, the empty one none
+
+
+def _exchanges_in_subgroups(rank, world, method, aggregation):
+    """Ranks {0, 2} and {1, 3} each exchange in a group of their own, as the nodes' shards of a hierarchy would."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # (every rank makes every group)
+    group = groups[rank % 2]
+    compressor = SparseCompressor(SparsifyOptions(method=method, aggregation=aggregation, density=0.05))
+    generator = torch.Generator().manual_seed(rank)
+    averages, given = [], torch.zeros(1000, dtype=torch.float64)
+    for step in range(3):
+        grad = torch.randn(1000, generator=generator) + 10.0 * (rank % 2)  # the two groups' gradients differ
+        given += grad.double()
+        averages.append(compressor.exchange(grad, LAYOUT, group, step=step, density=0.05).wait().clone())
+    return torch.stack(averages), given, compressor.residuals.flat(0).double()
+
+
+@pytest.mark.parametrize("method,aggregation", [("random_block", "allreduce"), ("topk", "allgather"),
+                                                ("shared_topk", "allreduce")])
+def test_subgroups_exchange_apart(method, aggregation):
+    rows = run_distributed(_exchanges_in_subgroups, 4, method, aggregation)
+    for members in ((0, 2), (1, 3)):
+        a, b = (rows[r] for r in members)
+        assert torch.equal(a[0], b[0])  # the same average within a group
+        assert torch.allclose(a[1] + b[1], 2 * a[0].double().sum(0) + a[2] + b[2], atol=1e-5)  # nothing lost
+    assert not torch.equal(rows[0][0], rows[1][0])  # and the groups apart
