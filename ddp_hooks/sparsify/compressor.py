@@ -347,17 +347,21 @@ class SparseCompressor:
             _count(self.counters, k, sent_bytes, n, n * grad.element_size())
             pending.arrival = wire
             pending.future = dist.all_reduce(wire, group=group, async_op=True).get_future()
-            return
-        payload = wire
-        if self.selector.positions_travel:
-            index_dtype = position_dtype(n)
-            payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
-            sent_bytes += k * index_dtype.itemsize
-        # (else every rank recomputes the others' positions from (seed, step, unit, rank): values only)
-        _count(self.counters, k, sent_bytes, n, n * grad.element_size())
-        world = pending.request.world_size
-        pending.arrival = torch.empty(world, payload.numel(), dtype=payload.dtype, device=payload.device)
-        pending.future = _all_gather_into(pending.arrival.view(-1), payload, group).get_future()
+        else:
+            payload = wire
+            if self.selector.positions_travel:
+                index_dtype = position_dtype(n)
+                payload = torch.cat([wire.view(torch.uint8), positions.to(index_dtype).view(torch.uint8)])
+                sent_bytes += k * index_dtype.itemsize
+            # (else every rank recomputes the others' positions from (seed, step, unit, rank): values only)
+            _count(self.counters, k, sent_bytes, n, n * grad.element_size())
+            world = pending.request.world_size
+            pending.arrival = torch.empty(world, payload.numel(), dtype=payload.dtype, device=payload.device)
+            pending.future = _all_gather_into(pending.arrival.view(-1), payload, group).get_future()
+        # The exchange lets go of the process group once its collective is launched: what unpacks and folds
+        # it may run in a callback on the backend's own thread, and were the last reference to the group
+        # dropped there, its destructor would join that very thread (gloo aborts: "Resource deadlock avoided").
+        pending.group, pending.request = None, pending.request._replace(group=None)
 
     # ----- stages 5 and 6 -----
     def unpack(self, pending: PendingExchange) -> Tuple[torch.Tensor, List[Tuple[torch.Tensor, torch.Tensor]]]:
