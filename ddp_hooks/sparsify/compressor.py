@@ -86,11 +86,11 @@ import torch
 import torch.distributed as dist
 
 from ..stats import CommStats
-from .memory import Layout, ResidualStore, ScratchMemory, every_position, gather, owners, put, zero_at
+from .memory import GLOBAL_BUCKET, Layout, ResidualStore, ScratchMemory, every_position, gather, owners, put, zero_at
 from .selectors import Choice, SelectionRequest, Unit
 from .selectors.draws import SHARED
 
-__all__ = ["SparseCompressor", "PendingExchange", "host_reads_free", "holds_nonfinite", "fill_if",
+__all__ = ["SparseCompressor", "PendingExchange", "units_of", "host_reads_free", "holds_nonfinite", "fill_if",
            "gather_outweighs_allreduce", "sends_everything", "position_dtype"]
 
 #: Read tensors on the host where that is free (the CPU). Tests set it to False to run, on the CPU, the
@@ -218,7 +218,7 @@ class SparseCompressor:
         for the returned future (or chain on it) before the next exchange of
         the same ``key``: its fold writes the residual that one reads.
         """
-        units, starts = _units_and_starts(layout, grad.device)
+        units, starts = units_of(layout, "layer", key, grad.numel()), _starts(layout, grad.device)
         marks = torch.where(torch.isfinite(grad).all(), 1.0, float("nan")).expand(len(layout))  # no idle parameter
         pending = self.begin(grad, units, starts, marks, key=key, layout=layout, group=group, step=step,
                              density=density)
@@ -473,11 +473,22 @@ class SparseCompressor:
                 sent if frozen is None else torch.where(frozen, pending.velocity_before, sent), whole)
 
 
+@lru_cache(maxsize=1024)
+def units_of(layout: Layout, scope: str, key: int, numel: int) -> Tuple[Unit, ...]:
+    """The units of selection of a bucket ``key`` or of all (GLOBAL_BUCKET), kept: a layout repeats every step.
+
+    Layer scope: one per parameter, keyed by the parameter (an empty one has
+    no budget); else one for the whole vector, keyed by its bucket (0 for all).
+    """
+    if scope == "layer":
+        return tuple(Unit(param, offset, n) for param, offset, n in layout if n)
+    return (Unit(0 if key == GLOBAL_BUCKET else key, 0, numel),)
+
+
 @lru_cache(maxsize=256)
-def _units_and_starts(layout: Layout, device: torch.device) -> Tuple[Tuple[Unit, ...], torch.Tensor]:
-    """A layout's units (one per parameter) and the offsets where its parameters start, on ``device`` (kept)."""
-    starts = torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=device)
-    return tuple(Unit(key, offset, n) for key, offset, n in layout if n), starts
+def _starts(layout: Layout, device: torch.device) -> torch.Tensor:
+    """The offsets where a layout's parameters start, on ``device`` (kept: no copy per call)."""
+    return torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=device)
 
 
 def _count(counters: CommStats, elements: int, sent_bytes: int, elements_dense: int, bytes_dense: int) -> None:

@@ -57,7 +57,6 @@ Example (one process, so the average is the rank's own sparse gradient)::
     >>> dist.destroy_process_group()
 """
 
-from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -65,10 +64,9 @@ import torch.distributed as dist
 
 from .._internal.validation import check_hook_call
 from . import checkpoint
-from .compressor import PendingExchange, host_reads_free
+from .compressor import PendingExchange, host_reads_free, units_of
 from .memory import GLOBAL_BUCKET, Layout, SparseOutput, gather, owners
 from .momenta import refresh_momenta, velocity_momentum
-from .selectors import Unit
 from .selectors.draws import first_draws
 from .state import SparsifyState
 
@@ -143,7 +141,7 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     elif not dense:  # where it pays, the average goes to a vector kept at zero between steps
         result_vector = state.results.for_bucket(index, buffer, gradients, bucket.parameters())
     momentum = velocity_momentum(options, state.momenta, layout, grad.device)
-    pending = compressor.begin(grad, _units(layout, options.scope, key, grad.numel()), starts, marks, key=key,
+    pending = compressor.begin(grad, units_of(layout, options.scope, key, grad.numel()), starts, marks, key=key,
                                layout=layout, group=state.binding.group, step=state.step, density=density,
                                scale=run.scale, decay=decay, momentum=momentum, everything=dense)
     run.started.append((pending, _update_record(state, key, layout, starts, momentum, dense), result_vector,
@@ -224,11 +222,12 @@ def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Op
     discard = torch.stack([bad for bad, _ in arrived]).any()
     state.nonfinite.add(discard)
     inv_scale = None if scale is None else scale.reciprocal()
-    # The last update is remembered only from steps the optimizer takes: read on the host where that is
-    # free; elsewhere a discarded step's update is remembered as zero (present_update).
-    applied = True
-    if any(update is not None for _, update, _, _ in exchanges) and host_reads_free(discard.device):
-        applied = not bool(discard)
+    # The last update is remembered only from steps the optimizer takes: the verdict read on the host where
+    # that is free; elsewhere a discarded step's update is remembered as zero (present_update's `discard`).
+    applied, forgotten_if = True, discard
+    if host_reads_free(discard.device):
+        forgotten_if = None
+        applied = not any(update is not None for _, update, _, _ in exchanges) or not bool(discard)
     for (pending, update, result_vector, global_buffers), (_, parts) in zip(exchanges, arrived):
         target = None  # the gradient itself, zeroed once folded, or the vector kept at zero
         if result_vector is not None:
@@ -237,7 +236,7 @@ def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Op
         target = pending.grad if result_vector is None else result_vector.tensor
         if update is not None and applied:
             written = present_update(state.last_updates, update, target, written, scale, inv_scale,
-                                     whole=pending.dense, discard=discard)
+                                     whole=pending.dense, discard=forgotten_if)
         if result_vector is not None:
             result_vector.written = written
         if global_buffers is not None:
@@ -262,18 +261,6 @@ def _update_record(state: SparsifyState, key: int, layout: Layout, starts: torch
     if not state.options.counts_momentum_in_sends or dense:
         return None
     return key, layout, starts, 0.0 if momentum is None else momentum
-
-
-@lru_cache(maxsize=1024)
-def _units(layout: Layout, scope: str, key: int, numel: int) -> Tuple[Unit, ...]:
-    """The units of selection of a bucket ``key`` or of all (GLOBAL_BUCKET), kept: a layout repeats every step.
-
-    Layer scope: one per parameter, keyed by the parameter (an empty one has
-    no budget); else one for the whole vector, keyed by its bucket (0 for all).
-    """
-    if scope == "layer":
-        return tuple(Unit(param, offset, n) for param, offset, n in layout if n)
-    return (Unit(0 if key == GLOBAL_BUCKET else key, 0, numel),)
 
 
 def _join(run: StepRun):
@@ -312,7 +299,7 @@ def present_update(store, update: tuple, target: torch.Tensor, written: List[tor
     Returns every position now written in ``target``. Under AllGather the
     ranks' positions overlap: a position's first entry keeps its value, the
     others 0 (no count read on the host). Where the host does not read the
-    verdict, a discarded step (``discard``) is remembered as zero.
+    verdict, the step is remembered as zero if ``discard`` (a 0-dim bool) is set.
     """
     bucket, layout, starts, m = update
     whole = whole and len(written) == 1
@@ -338,7 +325,7 @@ def present_update(store, update: tuple, target: torch.Tensor, written: List[tor
             target.index_add_(0, where, change)
         written = [positions, where]
     remembered = values if inv_scale is None else values * inv_scale
-    if discard is not None and not host_reads_free(discard.device):
+    if discard is not None:
         remembered = remembered.masked_fill(discard, 0.0)
     store.put(bucket, layout, positions, remembered, whole)
     return written
