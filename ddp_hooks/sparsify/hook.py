@@ -155,8 +155,8 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     run.started = run.started[len(ready):]
     result = buffer if result_vector is None else result_vector.tensor
     if last:
-        _commit_when_arrived(state, run, result)
         _end_step(state, index, compressed=not dense)
+        _commit_when_arrived(state, run, result)
     return _after_commit(run, result)
 
 
@@ -193,26 +193,25 @@ def _after_commit(run: StepRun, result: torch.Tensor) -> torch.futures.Future:
 
 
 def _commit_when_arrived(state: SparsifyState, run: StepRun, last_result: torch.Tensor) -> None:
-    """Once every exchange of the step has arrived: one verdict, then fold and write each; complete the step.
+    """At the last bucket: wait for every exchange of the step, one verdict, fold and write each; complete the step.
 
-    The exchanges' values cross into this callback from their own futures,
-    so the commit reads them through ``wait()`` (:meth:`~.compressor.SparseCompressor.unpack`),
-    which on a GPU makes this stream wait for each collective's stream; the
-    step's future, made with the device, then records this stream's event
-    when it is set, and every bucket's future is chained on it.
+    Here, on the backward pass's own thread and stream, not in a callback on
+    a backend's thread: DDP waits for every bucket's future right after the
+    last bucket in any case, and nothing of the hook then runs on a thread
+    that a process group's teardown could find busy. The commit reads each
+    exchange through ``wait()`` on the collective's own future
+    (:meth:`~.compressor.SparseCompressor.unpack`), which on a GPU makes this
+    stream wait for the collective's and does not block the host; the step's
+    future, made with the device, records this stream's event when it is
+    set, and every bucket's future is chained on it.
     """
     exchanges, run.sent = run.sent, []
-
-    def commit_step(arrived):
-        try:
-            arrived.value()  # the first failed exchange's error; collect_all may end before the others finish
-            _commit(state, exchanges, run.scale)
-        except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
-            run.done.set_exception(exc)
-            raise
-        run.done.set_result(last_result)
-
-    torch.futures.collect_all([pending.future for pending, *_ in exchanges]).then(commit_step)
+    try:
+        _commit(state, exchanges, run.scale)
+    except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
+        run.done.set_exception(exc)
+        raise
+    run.done.set_result(last_result)
 
 
 def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Optional[torch.Tensor]) -> None:
