@@ -51,10 +51,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ddp_hooks import SparsifyState, build_sparsify_sgd, sparsify_hook  # noqa: E402
 from ddp_hooks.testing import run_distributed  # noqa: E402
 from fashion_mnist_data import find_fashion_mnist, read_fashion_mnist  # noqa: E402
+from result_files import every_run, read_results  # noqa: E402
 
 METHODS = ("topk", "random_block", "randomk")
 DENSITIES = (0.1, 0.05, 0.01)
@@ -91,12 +93,19 @@ def headline(densities=DENSITIES, methods=METHODS):
     return runs
 
 
+def user_optimizer(params, args):
+    """The user's optimizer: ``SGD(lr, momentum, weight_decay)`` or ``AdamW(lr, weight_decay)`` (``--optimizer``)."""
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
 def setup_exchange(ddp, run, args, seed):
     """Register the run's hook; return its optimizer (the user's, unchanged, unless the run builds the pair)."""
     sgd = dict(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     if run["hook"] == "dense":
         ddp.register_comm_hook(None, allreduce_hook)
-        return torch.optim.SGD(ddp.parameters(), **sgd), None
+        return user_optimizer(ddp.parameters(), args), None
     options = dict(run["options"], error_feedback=run["error_feedback"], seed=seed)
     if run["build"]:
         state, opt = build_sparsify_sgd(ddp, **sgd, **options)
@@ -107,7 +116,7 @@ def setup_exchange(ddp, run, args, seed):
         return torch.optim.SGD(ddp.parameters(), lr=args.lr), state
     state = SparsifyState(**options)
     ddp.register_comm_hook(state, sparsify_hook)
-    return torch.optim.SGD(ddp.parameters(), **sgd), state
+    return user_optimizer(ddp.parameters(), args), state
 
 
 def train_one(rank, world, data, run, args, seed):
@@ -176,14 +185,7 @@ def load(args):
 def body(rank, world, runs, args, seeds):
     torch.set_num_threads(1)
     data = load(args)
-    results = []
-    for seed in seeds:
-        for run in runs:
-            result = train_one(rank, world, data, run, args, seed)
-            if rank == 0:
-                print(json.dumps(result), flush=True)
-            results.append(result)
-    return results
+    return every_run(rank, seeds, runs, lambda run, seed: train_one(rank, world, data, run, args, seed))
 
 
 def cell(results, key="accuracy", digits=2):
@@ -278,8 +280,7 @@ def report(paths, merge=False):
     """
     merged = {}
     for path in paths:
-        with open(path) as f:
-            first, *rest = [json.loads(line) for line in f if line.strip()]
+        first, rest = read_results(path)
         if not merge:
             print(f"$ {first['command']}\n{first['header']}\n\n{matrix(rest)}\n")
             continue
@@ -311,8 +312,25 @@ def shared_topk_ablations(density=0.01):
     return runs
 
 
+def adamw(densities=(0.05, 0.01)):
+    """Every error-feedback selector under the user's AdamW (run with ``--optimizer adamw``), default options,
+    and each without the density warm-up at the lower density."""
+    runs = [run_config("dense", hook="dense")]
+    methods = ("topk", "random_block", "randomk", "shared_topk")
+    for d in densities:
+        for method in methods:
+            runs.append(run_config(f"{method} d={d:g}", hook="sparsify", method=method, density=d,
+                                   **({"aggregation": "allgather"} if method == "topk" else {})))
+    for method in methods:
+        runs.append(run_config(f"{method} dw=0 d={densities[-1]:g}", hook="sparsify", method=method,
+                               density=densities[-1], density_warmup_steps=0,
+                               **({"aggregation": "allgather"} if method == "topk" else {})))
+    return runs
+
+
 PARTS = {"headline": headline, "ablations": ablations, "block-sizes": block_sizes, "workers": workers,
-         "shared-topk": shared_topk, "shared-topk-ablations": shared_topk_ablations}
+         "shared-topk": shared_topk, "shared-topk-ablations": shared_topk_ablations,
+         "adamw": adamw}
 
 
 def main(argv=None):
@@ -327,14 +345,19 @@ def main(argv=None):
     start = time.perf_counter()
     results = run_distributed(body, args.world, runs, args, seeds, timeout=3 * 3600)[0]
     header = (f"Fashion-MNIST, {args.train} training images in {args.world} shards, 10,000 test images; CNN; "
-              f"batch {args.batch}/rank, {args.epochs} epochs, SGD lr {args.lr} ({args.schedule}), momentum "
-              f"{args.momentum}, weight decay {args.weight_decay}; seeds {seeds}; {time.perf_counter() - start:.0f} s")
+              f"batch {args.batch}/rank, {args.epochs} epochs, {optimizer_text(args)}; seeds {seeds}; {time.perf_counter() - start:.0f} s")
     print(f"\n$ {command}\n{header}\n\n{matrix(results)}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(json.dumps({"command": command, "header": header}) + "\n")
             for r in results:
                 f.write(json.dumps(r) + "\n")
+
+
+def optimizer_text(args) -> str:
+    if args.optimizer == "adamw":
+        return f"AdamW lr {args.lr} ({args.schedule}), weight decay {args.weight_decay}"
+    return f"SGD lr {args.lr} ({args.schedule}), momentum {args.momentum}, weight decay {args.weight_decay}"
 
 
 def parse_args(argv=None):
@@ -348,9 +371,12 @@ def parse_args(argv=None):
     p.add_argument("--train", type=int, default=None, help="training images used (default 12000)")
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--batch", type=int, default=32, help="images per rank per step (default 32)")
-    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (default 0.05)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="the user's optimizer (default sgd; adamw: lr 1e-3, weight decay 0.01 unless given)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.05 for SGD, 1e-3 for AdamW)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay (default 5e-4)")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="weight decay (default 5e-4 for SGD, 0.01 for AdamW)")
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine", help="lr schedule (default cosine)")
     p.add_argument("--data-dir", default=None, help="Fashion-MNIST folder (default: Debian's)")
     p.add_argument("--out", default=None, help="write every run as JSON lines here")
@@ -358,7 +384,12 @@ def parse_args(argv=None):
     p.add_argument("--merge", action="store_true", help="with --report: one table, later files replacing rows")
     args = p.parse_args(argv)
     if args.seeds is None:
-        args.seeds = 1 if args.quick or args.part != "headline" else 3
+        args.seeds = 1 if args.quick or args.part not in ("headline", "adamw") else 3
+    adam = args.optimizer == "adamw"
+    if args.lr is None:
+        args.lr = 1e-3 if adam else 0.05
+    if args.weight_decay is None:
+        args.weight_decay = 0.01 if adam else 5e-4
     if args.epochs is None:
         args.epochs = 1 if args.quick else 8
     if args.train is None:
