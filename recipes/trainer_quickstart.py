@@ -20,11 +20,11 @@ class Classifier(torch.nn.Module):  # yours, unchanged: returns its loss, as a t
 x = torch.randn(4096, 20, generator=torch.Generator().manual_seed(0))
 data = [{"inputs": row, "labels": int(row[0] > 0)} for row in x]
 args = TrainingArguments(output_dir="trainer-quickstart", use_cpu=True, num_train_epochs=3,
-                         per_device_train_batch_size=32, optim="sgd", learning_rate=0.05, save_strategy="epoch",
-                         logging_strategy="epoch", report_to="none", disable_tqdm=True)
+                         per_device_train_batch_size=32, learning_rate=1e-3,  # from scratch; AdamW, clipping: defaults
+                         save_strategy="epoch", logging_strategy="epoch", report_to="none", disable_tqdm=True)
 trainer = Trainer(model=Classifier(), args=args, train_dataset=data)
 
-state = SparsifyState(method="random_block", density=0.01)
+state = SparsifyState(method="shared_topk", density=0.01)  # under AdamW: see "Adam and AdamW" below
 register_comm_hook(trainer, state, sparsify_hook)  # the one added call
 trainer.train()  # trainer.train(resume_from_checkpoint=True) resumes every rank's hook state too
 if trainer.is_world_process_zero():

@@ -16,6 +16,10 @@ saving process: :class:`~.every_rank.EveryRankState`, with a checksum of
 the weights), and on a resume gives each rank its own state back from the
 checkpoint folder of the step the Trainer resumed at, in ``output_dir``
 (a file whose checksum is not that of the resumed weights is refused).
+Where the Trainer scales its losses (``fp16`` on a GPU: its Accelerator's
+GradScaler), the callback hands that scaler to a state that takes one
+(:class:`~ddp_hooks.SparsifyState`'s ``grad_scaler``), so that the hook's
+residuals stay in unscaled units and skipped steps leave them alone.
 Needs ``pip install "ddp-hooks[transformers]"``.
 
 Example (the callback alone; a complete run is in the README)::
@@ -50,7 +54,8 @@ def register_comm_hook(trainer: Trainer, state: Any, hook: Callable) -> "CommHoo
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"`trainer` must be a transformers.Trainer, got {type(trainer).__name__}")
-    callback = CommHookCallback(lambda: trainer.model_wrapped, state, hook)
+    callback = CommHookCallback(lambda: trainer.model_wrapped, state, hook,
+                                grad_scaler=lambda: getattr(trainer.accelerator, "scaler", None))
     trainer.add_callback(callback)
     return callback
 
@@ -64,13 +69,17 @@ class CommHookCallback(TrainerCallback):
         state: the hook's state (:class:`~ddp_hooks.SparsifyState`, or any
             with ``state_dict`` / ``load_state_dict``).
         hook: the comm hook, ``hook(state, bucket) -> Future``.
+        grad_scaler: a function returning the Trainer's GradScaler or None
+            (``trainer.accelerator.scaler``); read when training begins and
+            given to a ``state`` that has a ``grad_scaler`` of None.
     """
 
     file_name = "comm_hook_state.pt"
 
-    def __init__(self, wrapped_model: Callable[[], Any], state: Any, hook: Callable):
+    def __init__(self, wrapped_model: Callable[[], Any], state: Any, hook: Callable,
+                 grad_scaler: Callable[[], Any] = lambda: None):
         check_hook(hook)
-        self.wrapped_model, self.state, self.hook = wrapped_model, state, hook
+        self.wrapped_model, self.state, self.hook, self.grad_scaler = wrapped_model, state, hook, grad_scaler
         self.every_rank = EveryRankState(state)  # checks that the state can be saved
         self.registered_on = None
 
@@ -79,6 +88,7 @@ class CommHookCallback(TrainerCallback):
         if not isinstance(model, DistributedDataParallel):
             raise ValueError("the Trainer's model: " + not_ddp_message(model, args.world_size,
                                                                       "torchrun --nproc_per_node N"))
+        self._hand_over_scaler()
         if self.registered_on is not model:
             model.register_comm_hook(self.state, self.hook)
             self.registered_on = model
@@ -96,6 +106,19 @@ class CommHookCallback(TrainerCallback):
                     f"{saved['global_step']}): it belongs to another run's checkpoint-{state.global_step}. Resume "
                     "from a checkpoint inside the Trainer's output_dir, where this callback finds its own file")
             self.every_rank.load_state_dict(saved["hook_states"])
+
+    def _hand_over_scaler(self) -> None:
+        """Give the Trainer's GradScaler to a hook state that takes one; refuse a state holding another."""
+        scaler = self.grad_scaler()
+        if scaler is None or not hasattr(self.state, "grad_scaler"):
+            return
+        if self.state.grad_scaler is None:
+            self.state.grad_scaler = scaler
+        elif self.state.grad_scaler is not scaler:
+            raise ValueError(
+                "the hook state's grad_scaler is not the Trainer's: the Trainer scales the losses with its own "
+                f"GradScaler ({type(scaler).__name__}), so the hook would divide by another scale; build the state "
+                "with grad_scaler=None and the callback hands it the Trainer's")
 
     def on_save(self, args, state, control, **kwargs):
         everyone = self.every_rank.state_dict()  # a collective: the Trainer calls on_save on every process

@@ -4,9 +4,10 @@ The hook's first call installs :func:`~.momenta.watch_first_step`; at the first 
 of each optimizer over the hook's parameters, :func:`check_optimizer`
 refuses momentum or weight decay applied twice (by the hook and by the
 optimizer), and Nesterov or dampening where the optimizer's momentum is
-counted in sends, and warns about the combination known to diverge (the
-optimizer's momentum applied per step under a selector whose coordinates
-leave at random times). The optimizer is then remembered (weakly) as the
+counted in sends, and warns about the two combinations that train far below
+dense under a selector whose coordinates leave at random times: the
+optimizer's momentum applied per step (known to diverge), and an adaptive
+optimizer (Adam, AdamW, ...: one with a per-coordinate second moment). The optimizer is then remembered (weakly) as the
 source of the momenta the hook counts in sends (:mod:`.momenta`).
 
 Example::
@@ -26,7 +27,25 @@ import warnings
 
 import torch
 
-__all__ = ["check_optimizer"]
+__all__ = ["check_optimizer", "is_adaptive"]
+
+# The torch.optim optimizers that divide each coordinate's step by a running measure of its own gradients.
+ADAPTIVE = tuple(getattr(torch.optim, name) for name in
+                 ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Adafactor")
+                 if hasattr(torch.optim, name))
+
+
+def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
+    """True for an optimizer with a per-coordinate second moment: torch.optim's Adam family, Adagrad,
+    Adadelta, RMSprop, Adafactor, or any optimizer whose groups have Adam's ``betas`` (LAMB, Lion, ...).
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> is_adaptive(torch.optim.AdamW([w])), is_adaptive(torch.optim.SGD([w], lr=0.1))
+        (True, False)
+    """
+    return isinstance(optimizer, ADAPTIVE) or any("betas" in group for group in optimizer.param_groups)
 
 
 def check_optimizer(state, optimizer: torch.optim.Optimizer, param_ids=None) -> None:
@@ -45,10 +64,22 @@ def check_optimizer(state, optimizer: torch.optim.Optimizer, param_ids=None) -> 
     Warns:
         UserWarning: a random selector with error feedback under the
             optimizer's momentum, the combination known to diverge at the
-            usual settings; or the hook's momentum with the optimizer's weight
-            decay, which is not momentum SGD with weight decay.
+            usual settings; or under an adaptive optimizer, whose second
+            moment the error-fed bursts inflate (measured in the README's
+            "Adam and AdamW" table); or the hook's momentum with the
+            optimizer's weight decay, which is not momentum SGD with weight
+            decay.
     """
     wanted = None if param_ids is None else set(param_ids)
+    if is_adaptive(optimizer) and state.error_feedback and state.selector.leaves_at_random_times:
+        warnings.warn(
+            f"method={state.method!r} with error feedback under {type(optimizer).__name__}, an adaptive optimizer: "
+            "each coordinate arrives in a burst of about 1/density steps of gradient, which the optimizer's second "
+            "moment counts as one large gradient, so its steps shrink and the run trains well below dense (see "
+            "the README's 'Adam and AdamW' table); use method='shared_topk' (AllReduce) or method='topk' "
+            "(AllGather), which stay near dense under AdamW, or momentum SGD, which every selector serves",
+            stacklevel=3,
+        )
     for group in optimizer.param_groups:
         if wanted is not None and not any(id(p) in wanted for p in group["params"]):
             continue

@@ -96,7 +96,24 @@ def test_check_optimizer_accepts_the_safe_pairings():
         check_optimizer(SparsifyState(momentum=0.9, weight_decay=WD), _sgd(0.0))
         check_optimizer(SparsifyState(method="topk", aggregation="allgather"), _sgd(0.9, WD))
         check_optimizer(SparsifyState(method="randomk", error_feedback=False), _sgd(0.9, WD))
-        check_optimizer(SparsifyState(), torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))]))
+        check_optimizer(SparsifyState(method="shared_topk"), torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))]))
+        check_optimizer(SparsifyState(method="topk", aggregation="allgather"),
+                        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
+        check_optimizer(SparsifyState(method="randomk", error_feedback=False),
+                        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
+
+
+@pytest.mark.parametrize("method", ["random_block", "randomk"])
+@pytest.mark.parametrize("optimizer", ["Adam", "AdamW", "RMSprop", "Adagrad", "Adafactor", "betas"])
+def test_check_optimizer_warns_about_a_random_selector_under_an_adaptive_optimizer(method, optimizer):
+    w = torch.nn.Parameter(torch.zeros(2))
+    if optimizer == "betas":  # a third-party Adam-like optimizer (LAMB, Lion, ...): known by its betas
+        opt = torch.optim.SGD([w], lr=0.1)
+        opt.param_groups[0]["betas"] = (0.9, 0.99)
+    else:
+        opt = getattr(torch.optim, optimizer)([w])
+    with pytest.warns(UserWarning, match=f"method='{method}' with error feedback under .*adaptive.*shared_topk"):
+        check_optimizer(SparsifyState(method=method), opt)
 
 
 # ----- convergence: the hazard of issue 8, in seconds -----
