@@ -112,7 +112,7 @@ SELECTORS = {"topk": {"aggregation": "allgather"}, "random_block": {}, "randomk"
 
 def _defaults_trainer(rank, world, folder, method, max_steps=None, save_steps=None, resume=False):
     """The Trainer with ``TrainingArguments`` at their defaults (fused AdamW at lr 5e-5, linear decay, gradient
-    clipping at 1.0, weight decay 0) on a 4-class task; ``method`` None: PyTorch's own all-reduce (no hook).
+    clipping at 1.0, weight decay 0) and bf16 autocast, as the CPU allows, on a 4-class task; ``method`` None: PyTorch's own all-reduce (no hook).
     Returns the losses it logged (every 64 steps), its weights (flat), the hook's stats and the steps it took."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -141,8 +141,8 @@ def _defaults_trainer(rank, world, folder, method, max_steps=None, save_steps=No
     x = torch.randn(DEFAULTS_STEPS * 8 * world, 16, generator=draws)
     data = [{"inputs": row, "labels": int(label)} for row, label in zip(x, (x @ teacher).argmax(1))]
     model = Classifier()
-    args = TrainingArguments(  # the defaults, but for where and how often to write, and the batch size
-        output_dir=os.path.join(folder, method or "dense"), use_cpu=True, ddp_backend="gloo",
+    args = TrainingArguments(  # the defaults, but for where and how often to write, the batch size, and bf16
+        output_dir=os.path.join(folder, method or "dense"), use_cpu=True, ddp_backend="gloo", bf16=True,
         per_device_train_batch_size=8, num_train_epochs=1, max_steps=max_steps or -1, logging_steps=64,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to="none",
         disable_tqdm=True, dataloader_num_workers=0)
