@@ -35,6 +35,11 @@ reaches Adam's two moments ``m`` and ``v``:
   the hook's ``optimizer_momentum="sends"`` for SGD.
 * ``smoothed``: the averages pass through a buffer ``P`` that releases
   ``rho P`` per step, so that Adam sees a steady stream instead of bursts.
+* ``snr blocks``: today's feeding, but the blocks are drawn (still one draw
+  for every rank) with probability rising with Adam's ``|m| / sqrt(v)`` in
+  them, read from the optimizer's state, which every rank shares: the
+  selection on the preconditioned gradient. A floor of the mean weight
+  keeps every block in the draw.
 
 Cells: final test accuracy, mean ± half range over seeds, gap to ``dense``.
 """
@@ -55,7 +60,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fashion_mnist import cnn, cosine_lr, epoch_order, evaluate, load, rank_shard  # noqa: E402
 from result_files import print_tables  # noqa: E402
 
-CANDIDATES = ("dense", "error feedback", "oracle v", "squares sent", "rate v", "momentum in sends", "smoothed")
+CANDIDATES = ("dense", "error feedback", "oracle v", "squares sent", "rate v", "momentum in sends", "smoothed",
+              "snr blocks")
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
 
 
@@ -63,6 +69,21 @@ def block_positions(numel: int, rho: float, block: int, generator: torch.Generat
     """A random set of ``ceil(rho numel / block)`` whole blocks of ``block`` entries: their positions."""
     blocks = math.ceil(numel / block)
     chosen = torch.randperm(blocks, generator=generator)[:max(1, math.ceil(rho * numel / block))]
+    positions = (chosen[:, None] * block + torch.arange(block)).flatten()
+    return positions[positions < numel]
+
+
+def snr_block_positions(numel, rho, block, generator, state):
+    """``ceil(rho numel / block)`` blocks drawn without replacement, each with weight ``w + mean(w)``, ``w`` the
+    block's mean of Adam's ``|m| / (sqrt(v) + eps)`` from the optimizer's ``state``: their positions."""
+    snr = (state["exp_avg"].abs() / (state["exp_avg_sq"].sqrt() + EPS)).flatten()
+    blocks = math.ceil(numel / block)
+    padded = torch.zeros(blocks * block)
+    padded[:numel] = snr
+    weight = padded.view(blocks, block).mean(1)
+    weight = weight + weight.mean() + 1e-12
+    k = min(blocks, max(1, math.ceil(rho * numel / block)))
+    chosen = torch.multinomial(weight, k, replacement=False, generator=generator)
     positions = (chosen[:, None] * block + torch.arange(block)).flatten()
     return positions[positions < numel]
 
@@ -110,7 +131,11 @@ def train(candidate, data, args, seed):
                 if candidate == "dense":
                     p.grad = mean
                     continue
-                positions = block_positions(p.numel(), rho, args.block, draws)
+                state = adamw.state.get(p, {})
+                if candidate == "snr blocks" and "exp_avg" in state:
+                    positions = snr_block_positions(p.numel(), rho, args.block, draws, state)
+                else:
+                    positions = block_positions(p.numel(), rho, args.block, draws)
                 sent_fraction = positions.numel() / p.numel()
 
                 def exchange(store, local):
@@ -128,7 +153,7 @@ def train(candidate, data, args, seed):
                     sent = exchange(residuals, lambda r: velocities[r][i].flatten())
                 else:
                     sent = exchange(residuals, lambda r: grads[r][i].flatten())
-                if candidate == "error feedback":
+                if candidate in ("error feedback", "snr blocks"):
                     p.grad = sent
                     continue
                 if candidate == "smoothed":

@@ -9,6 +9,7 @@ Run (each part is one command; ``--part`` picks the table)::
     python bench/bench_fashion_mnist.py --part workers                        # random-block, 2 and 4 ranks
     python bench/bench_fashion_mnist.py --part shared-topk --seeds 3          # 2 and 4 ranks (issue 18)
     python bench/bench_fashion_mnist.py --part shared-topk-ablations --seeds 3  # low-pass filter, momentum
+    python bench/bench_fashion_mnist.py --part adamw --optimizer adamw --schedule cosine  # AdamW, 3 seeds
     python bench/bench_fashion_mnist.py --quick                               # a smoke run: 1 seed, 1 epoch
 
 Data: Fashion-MNIST from Debian's ``dataset-fashion-mnist`` package (read by
@@ -24,7 +25,8 @@ step, each rank shuffling its own shard every epoch.
 User code is what a DDP user already has: ``torch.optim.SGD(lr=0.05,
 momentum=0.9, weight_decay=5e-4)``, a cosine or constant learning rate, and
 one added line, ``ddp.register_comm_hook(SparsifyState(method=..., density=...),
-sparsify_hook)`` with default options. ``build`` rows use
+sparsify_hook)`` with default options; with ``--optimizer adamw`` the user's
+optimizer is ``torch.optim.AdamW(lr=1e-3, weight_decay=0.01)``. ``build`` rows use
 :func:`ddp_hooks.build_sparsify_sgd` instead; ``dense`` is PyTorch's
 ``allreduce_hook`` in the same code. Every method at layer scope, top-k with
 AllGather, the random selectors with AllReduce (the defaults).

@@ -19,8 +19,8 @@ Model: a decoder-only transformer (token and learned position embeddings,
 causal mask, ``--width`` wide, 4 heads, feed-forward 4x, no dropout, a final
 LayerNorm and a linear head). User code: ``torch.optim.AdamW(lr, weight_decay
 =0.01)`` with a linear warm-up over the first 5 % of steps and a cosine decay,
-gradient clipping at norm 1.0 (the Hugging Face Trainer's defaults, but for
-the schedule's shape), and one added line, ``register_comm_hook(
+gradient clipping at norm 1.0 (``--clip``; the Hugging Face Trainer's
+defaults, but for the schedule's shape), and one added line, ``register_comm_hook(
 SparsifyState(method=..., density=...), sparsify_hook)``, default options.
 Dense is PyTorch's ``allreduce_hook`` in the same code.
 
@@ -117,7 +117,8 @@ def train_one(rank, world, data, run, args, seed):
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(ddp(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
         optimizer.step()
         losses.append(loss.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
@@ -170,6 +171,7 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=96)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm, 0 for none (default 1.0)")
     p.add_argument("--chars", type=int, default=1 << 21, help="training characters used (default 2,097,152)")
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--data-dir", default=None)
@@ -190,7 +192,7 @@ def main(argv=None):
     results = run_distributed(body, args.world, runs, args, seeds, timeout=4 * 3600)[0]
     header = (f"fortunes, {args.chars} training characters in {args.world} shards; transformer {args.layers} x "
               f"{args.width}, context {args.context}; batch {args.batch}/rank, {args.steps} steps, AdamW lr {args.lr} "
-              f"(5 % warm-up, cosine), weight decay 0.01, clipping 1.0; seeds {seeds}; "
+              f"(5 % warm-up, cosine), weight decay 0.01, clipping {args.clip or 'none'}; seeds {seeds}; "
               f"{time.perf_counter() - start:.0f} s")
     print(f"\n$ {command}\n{header}\n\n{table(results)}")
     if args.out:

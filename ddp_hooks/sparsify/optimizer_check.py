@@ -66,7 +66,7 @@ def check_optimizer(state, optimizer: torch.optim.Optimizer, param_ids=None) -> 
             optimizer's momentum, the combination known to diverge at the
             usual settings; or under an adaptive optimizer, whose second
             moment the error-fed bursts inflate (measured in the README's
-            "Adam and AdamW" table); or the hook's momentum with the
+            "Adam and AdamW" section); or the hook's momentum with the
             optimizer's weight decay, which is not momentum SGD with weight
             decay.
     """
@@ -76,8 +76,9 @@ def check_optimizer(state, optimizer: torch.optim.Optimizer, param_ids=None) -> 
             f"method={state.method!r} with error feedback under {type(optimizer).__name__}, an adaptive optimizer: "
             "each coordinate arrives in a burst of about 1/density steps of gradient, which the optimizer's second "
             "moment counts as one large gradient, so its steps shrink and the run trains well below dense (see "
-            "the README's 'Adam and AdamW' table); use method='shared_topk' (AllReduce) or method='topk' "
-            "(AllGather), which stay near dense under AdamW, or momentum SGD, which every selector serves",
+            "the README's 'Adam and AdamW' section); use method='shared_topk' (AllReduce) or method='topk' "
+            "(AllGather), which send a coordinate as soon as its residual is large and lose far less under AdamW, "
+            "or momentum SGD, which every selector serves",
             stacklevel=3,
         )
     for group in optimizer.param_groups:

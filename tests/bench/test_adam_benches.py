@@ -71,3 +71,14 @@ def test_results_files_read_back_and_print_their_tables(tmp_path, capsys):
     assert result_files.every_run(1, [0, 1], [{"n": "a"}], lambda run, seed: printed.append(seed) or seed) == [0, 1]
     assert capsys.readouterr().out == ""  # only rank 0 prints
     assert doctest.testmod(result_files).failed == 0
+
+
+def test_snr_blocks_favour_the_blocks_where_adams_step_is_steady():
+    m = torch.zeros(40)
+    m[:4] = 1.0  # one block of steady gradient; v equal everywhere
+    state = {"exp_avg": m, "exp_avg_sq": torch.ones(40)}
+    draws = torch.Generator().manual_seed(0)
+    picks = [bench_adam_candidates.snr_block_positions(40, 0.1, 4, draws, state) for _ in range(200)]
+    assert all(len(p) == 4 and len(set(p.tolist())) == 4 for p in picks)  # one whole block of 4 each time
+    first = sum(int(p[0]) == 0 for p in picks) / len(picks)
+    assert first > 0.4  # weight 1.1 (0.1 of it the floor) against 0.1 for each of the 9 others: 0.55 of the draws
