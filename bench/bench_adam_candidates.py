@@ -21,8 +21,7 @@ reaches Adam's two moments ``m`` and ``v``:
   gives it today.
 * ``oracle v``: ``m`` fed the sparse average, ``v`` fed the square of the
   dense average: the second moment a dense step would have fed it. Not
-  available to a real run (it needs the dense average); an upper bound for
-  any estimate of ``v``.
+  available to a real run (it needs the dense average).
 * ``squares sent``: ``v`` fed the error-fed average of each rank's squared
   gradient, sent at the same positions (twice the values).
 * ``rate v``: ``v`` fed ``rho B^2``, with ``B`` the average sent and ``rho``
@@ -227,7 +226,7 @@ def main(argv=None):
     print(f"\n$ {command}\n{time.perf_counter() - start:.0f} s\n\n{table(results)}")
     if args.out:
         with open(args.out, "w") as f:
-            f.write(json.dumps({"command": command}) + "\n")
+            f.write(json.dumps({"command": command, "seconds": round(time.perf_counter() - start)}) + "\n")
             f.writelines(json.dumps(r) + "\n" for r in results)
 
 

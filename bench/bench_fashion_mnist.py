@@ -109,6 +109,9 @@ def setup_exchange(ddp, run, args, seed):
         ddp.register_comm_hook(None, allreduce_hook)
         return user_optimizer(ddp.parameters(), args), None
     options = dict(run["options"], error_feedback=run["error_feedback"], seed=seed)
+    if args.optimizer != "sgd" and (run["build"] or run.get("pairing") == "hook"):
+        raise ValueError(f"run {run['name']!r} builds its own SGD (build_sparsify_sgd, or momentum in the hook), "
+                         f"so --optimizer {args.optimizer} would not be what it trains with: run it with SGD")
     if run["build"]:
         state, opt = build_sparsify_sgd(ddp, **sgd, **options)
         return opt, state
@@ -373,8 +376,9 @@ def parse_args(argv=None):
     p.add_argument("--train", type=int, default=None, help="training images used (default 12000)")
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--batch", type=int, default=32, help="images per rank per step (default 32)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                   help="the user's optimizer (default sgd; adamw: lr 1e-3, weight decay 0.01 unless given)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
+                   help="the user's optimizer (default: adamw for --part adamw, else sgd; adamw: lr 1e-3, weight "
+                        "decay 0.01 unless given)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.05 for SGD, 1e-3 for AdamW)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     p.add_argument("--weight-decay", type=float, default=None,
@@ -387,6 +391,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.seeds is None:
         args.seeds = 1 if args.quick or args.part not in ("headline", "adamw") else 3
+    if args.optimizer is None:
+        args.optimizer = "adamw" if args.part == "adamw" else "sgd"
+    if args.part == "adamw" and args.optimizer != "adamw":
+        p.error(f"--part adamw with --optimizer {args.optimizer}: that part measures the selectors under AdamW")
     adam = args.optimizer == "adamw"
     if args.lr is None:
         args.lr = 1e-3 if adam else 0.05

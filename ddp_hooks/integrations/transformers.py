@@ -80,6 +80,7 @@ class CommHookCallback(TrainerCallback):
                  grad_scaler: Callable[[], Any] = lambda: None):
         check_hook(hook)
         self.wrapped_model, self.state, self.hook, self.grad_scaler = wrapped_model, state, hook, grad_scaler
+        self.handed_scaler = None  # the scaler this callback gave the state (a new Trainer may bring another)
         self.every_rank = EveryRankState(state)  # checks that the state can be saved
         self.registered_on = None
 
@@ -88,7 +89,7 @@ class CommHookCallback(TrainerCallback):
         if not isinstance(model, DistributedDataParallel):
             raise ValueError("the Trainer's model: " + not_ddp_message(model, args.world_size,
                                                                       "torchrun --nproc_per_node N"))
-        self._hand_over_scaler()
+        self.hand_over_scaler()
         if self.registered_on is not model:
             model.register_comm_hook(self.state, self.hook)
             self.registered_on = model
@@ -107,13 +108,14 @@ class CommHookCallback(TrainerCallback):
                     "from a checkpoint inside the Trainer's output_dir, where this callback finds its own file")
             self.every_rank.load_state_dict(saved["hook_states"])
 
-    def _hand_over_scaler(self) -> None:
-        """Give the Trainer's GradScaler to a hook state that takes one; refuse a state holding another."""
+    def hand_over_scaler(self) -> None:
+        """Give the Trainer's GradScaler to a hook state that takes one (replacing one this callback gave it
+        before); refuse a state holding a scaler of the user's that is not the Trainer's."""
         scaler = self.grad_scaler()
         if scaler is None or not hasattr(self.state, "grad_scaler"):
             return
-        if self.state.grad_scaler is None:
-            self.state.grad_scaler = scaler
+        if self.state.grad_scaler is None or self.state.grad_scaler is self.handed_scaler:
+            self.state.grad_scaler = self.handed_scaler = scaler
         elif self.state.grad_scaler is not scaler:
             raise ValueError(
                 "the hook state's grad_scaler is not the Trainer's: the Trainer scales the losses with its own "

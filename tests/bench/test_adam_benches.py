@@ -67,9 +67,12 @@ def test_results_files_read_back_and_print_their_tables(tmp_path, capsys):
     assert result_files.read_results(str(path)) == ({"command": "c", "header": "h"}, [{"seed": 0, "v": 1}])
     result_files.print_tables([str(path)], lambda runs: f"{len(runs)} runs")
     assert capsys.readouterr().out == "$ c\nh\n\n1 runs\n\n"
-    printed = []
-    assert result_files.every_run(1, [0, 1], [{"n": "a"}], lambda run, seed: printed.append(seed) or seed) == [0, 1]
+    train = lambda run, seed: {"name": run["n"], "seed": seed}  # noqa: E731
+    assert result_files.every_run(1, [0, 1], [{"n": "a"}], train) == [{"name": "a", "seed": 0}, {"name": "a", "seed": 1}]
     assert capsys.readouterr().out == ""  # only rank 0 prints
+    result_files.every_run(0, [0, 1], [{"n": "a"}, {"n": "b"}], train)
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == [{"name": n, "seed": s} for s in (0, 1) for n in ("a", "b")]  # seed by seed, a line each
     assert doctest.testmod(result_files).failed == 0
 
 

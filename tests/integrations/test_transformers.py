@@ -212,3 +212,26 @@ def test_the_trainers_grad_scaler_reaches_the_hook_state_and_another_scaler_is_r
     handed, refusal = run_distributed(_scaler_handover, 1)[0]
     assert handed
     assert refusal is not None and "grad_scaler is not the Trainer's" in refusal
+
+
+def test_register_comm_hook_reads_the_scaler_of_the_trainers_accelerator_and_follows_a_new_one(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from ddp_hooks import sparsify_hook
+    from ddp_hooks.integrations.transformers import register_comm_hook
+    from framework_jobs import new_state
+    from small_mlp import small_mlp
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True)
+    trainer = Trainer(model=small_mlp(), args=args)
+    state = new_state()
+    callback = register_comm_hook(trainer, state, sparsify_hook)
+    assert callback.grad_scaler() is None  # on the CPU the Accelerator scales nothing
+    first, second = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    trainer.accelerator.scaler = first  # what an fp16 run on a GPU has
+    assert callback.grad_scaler() is first
+    callback.hand_over_scaler()
+    assert state.grad_scaler is first
+    trainer.accelerator.scaler = second  # a new train() whose Accelerator holds another scaler
+    callback.hand_over_scaler()
+    assert state.grad_scaler is second

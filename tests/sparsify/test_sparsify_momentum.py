@@ -107,6 +107,8 @@ def test_check_optimizer_accepts_the_safe_pairings():
 @pytest.mark.parametrize("optimizer", ["Adam", "AdamW", "RMSprop", "Adagrad", "Adafactor", "betas"])
 def test_check_optimizer_warns_about_a_random_selector_under_an_adaptive_optimizer(method, optimizer):
     w = torch.nn.Parameter(torch.zeros(2))
+    if not hasattr(torch.optim, optimizer) and optimizer != "betas":
+        pytest.skip(f"torch {torch.__version__} has no torch.optim.{optimizer}")
     if optimizer == "betas":  # a third-party Adam-like optimizer (LAMB, Lion, ...): known by its betas
         opt = torch.optim.SGD([w], lr=0.1)
         opt.param_groups[0]["betas"] = (0.9, 0.99)
