@@ -57,7 +57,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_fashion_mnist import cnn, cosine_lr, epoch_order, evaluate, load, rank_shard  # noqa: E402
-from result_files import print_tables  # noqa: E402
+from result_files import every_run, print_tables  # noqa: E402
 
 CANDIDATES = ("dense", "error feedback", "oracle v", "squares sent", "rate v", "momentum in sends", "smoothed",
               "snr blocks")
@@ -90,7 +90,7 @@ def snr_block_positions(numel, rho, block, generator, state):
 def adamw_step(p, m, v, m_input, v_input, step, lr, weight_decay):
     """torch.optim.AdamW's step with separate inputs for its two moments (``m_input`` and ``v_input = g^2``;
     ``m_input=None``: ``m`` already holds its new value)."""
-    if m_input is not None:  # (None: ``m`` was set by the caller)
+    if m_input is not None:
         m.mul_(BETA1).add_(m_input, alpha=1 - BETA1)
     v.mul_(BETA2).add_(v_input, alpha=1 - BETA2)
     denom = (v.sqrt() / math.sqrt(1 - BETA2 ** step)).add_(EPS)
@@ -218,11 +218,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     data = load(args)
     command = shlex.join(["python", "bench/bench_adam_candidates.py", *(argv if argv is not None else sys.argv[1:])])
-    results, start = [], time.perf_counter()
-    for seed in range(args.seeds):
-        for candidate in args.only or CANDIDATES:
-            results.append(train(candidate, data, args, seed))
-            print(json.dumps(results[-1]), flush=True)
+    start = time.perf_counter()
+    results = every_run(0, range(args.seeds), args.only or CANDIDATES, lambda name, seed: train(name, data, args, seed))
     print(f"\n$ {command}\n{time.perf_counter() - start:.0f} s\n\n{table(results)}")
     if args.out:
         with open(args.out, "w") as f:

@@ -84,12 +84,17 @@ def run_config(name: str, hook=None, build: bool = False, ef: bool = True, pairi
     return {"name": name, "hook": hook, "build": build, "error_feedback": ef, "pairing": pairing, "options": options}
 
 
+def default_aggregation(method: str) -> dict:
+    """The aggregation a user gets by default with ``method``: top-k gathers, the others reduce."""
+    return {"aggregation": "allgather"} if method == "topk" else {}
+
+
 def headline(densities=DENSITIES, methods=METHODS):
     runs = [run_config("dense", hook="dense")]
     for density in densities:
         for method in methods:
             runs.append(run_config(f"{method} d={density:g}", hook="sparsify", method=method, density=density,
-                                   **({"aggregation": "allgather"} if method == "topk" else {})))
+                                   **default_aggregation(method)))
         runs.append(run_config(f"randomk no-EF d={density:g}", hook="sparsify", ef=False, method="randomk",
                                density=density))
     return runs
@@ -301,7 +306,7 @@ def shared_topk(densities=(0.05, 0.01)):
     for d in densities:
         for method in ("topk", "random_block", "shared_topk"):
             runs.append(run_config(f"{method} d={d:g}", hook="sparsify", method=method, density=d,
-                                   **({"aggregation": "allgather"} if method == "topk" else {})))
+                                   **default_aggregation(method)))
     return runs
 
 
@@ -325,11 +330,11 @@ def adamw(densities=(0.05, 0.01)):
     for d in densities:
         for method in methods:
             runs.append(run_config(f"{method} d={d:g}", hook="sparsify", method=method, density=d,
-                                   **({"aggregation": "allgather"} if method == "topk" else {})))
+                                   **default_aggregation(method)))
     for method in methods:
         runs.append(run_config(f"{method} dw=0 d={densities[-1]:g}", hook="sparsify", method=method,
                                density=densities[-1], density_warmup_steps=0,
-                               **({"aggregation": "allgather"} if method == "topk" else {})))
+                               **default_aggregation(method)))
     return runs
 
 
@@ -350,7 +355,8 @@ def main(argv=None):
     start = time.perf_counter()
     results = run_distributed(body, args.world, runs, args, seeds, timeout=3 * 3600)[0]
     header = (f"Fashion-MNIST, {args.train} training images in {args.world} shards, 10,000 test images; CNN; "
-              f"batch {args.batch}/rank, {args.epochs} epochs, {optimizer_text(args)}; seeds {seeds}; {time.perf_counter() - start:.0f} s")
+              f"batch {args.batch}/rank, {args.epochs} epochs, {optimizer_text(args)}; seeds {seeds}; "
+              f"{time.perf_counter() - start:.0f} s")
     print(f"\n$ {command}\n{header}\n\n{matrix(results)}")
     if args.out:
         with open(args.out, "w") as f:

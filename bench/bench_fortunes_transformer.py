@@ -187,7 +187,8 @@ def main(argv=None):
     if args.only:
         runs = [r for r in runs if r["name"] in args.only]
     seeds = list(range(args.seeds))
-    command = shlex.join(["python", "bench/bench_fortunes_transformer.py", *(argv if argv is not None else sys.argv[1:])])
+    given = argv if argv is not None else sys.argv[1:]
+    command = shlex.join(["python", "bench/bench_fortunes_transformer.py", *given])
     start = time.perf_counter()
     results = run_distributed(body, args.world, runs, args, seeds, timeout=4 * 3600)[0]
     header = (f"fortunes, {args.chars} training characters in {args.world} shards; transformer {args.layers} x "

@@ -7,8 +7,9 @@ optimizer), and Nesterov or dampening where the optimizer's momentum is
 counted in sends, and warns about the two combinations that train far below
 dense under a selector whose coordinates leave at random times: the
 optimizer's momentum applied per step (known to diverge), and an adaptive
-optimizer (Adam, AdamW, ...: one with a per-coordinate second moment). The optimizer is then remembered (weakly) as the
-source of the momenta the hook counts in sends (:mod:`.momenta`).
+optimizer (Adam, AdamW, ...: one with a per-coordinate second moment). The
+optimizer is then remembered (weakly) as the source of the momenta the hook
+counts in sends (:mod:`.momenta`).
 
 Example::
 
