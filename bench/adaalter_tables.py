@@ -37,7 +37,9 @@ def table(results, task):
     perplexity = task == "fortunes"
     metric = "val. perplexity" if perplexity else "test accuracy %"
     gap = "vs sync (%)" if perplexity else "vs sync (points)"
-    lines = [f"| method | {metric} | {gap} | syncs/epoch |", "|---|---|---|---|"]
+    sync_bytes = None if not base or "bytes_per_step" not in base[0] else \
+        sum(r["bytes_per_step"] for r in base) / len(base)
+    lines = [f"| method | {metric} | {gap} | syncs/epoch | bytes/step | x fewer |", "|---|---|---|---|---|---|"]
     for name, runs in sorted(by_name.items(), key=lambda item: row_order(item[0])):
         mean = sum(r["metric"] for r in runs) / len(runs)
         if base_mean is None or name == "sync AdaGrad":
@@ -47,7 +49,10 @@ def table(results, task):
         else:
             vs = f"{mean - base_mean:+.2f}"
         syncs = sum(r["syncs_per_epoch"] for r in runs) / len(runs)
-        lines.append(f"| {name} | {cell(runs, 'metric', 3 if perplexity else 2)} | {vs} | {syncs:.1f} |")
+        bytes_per_step = sum(r.get("bytes_per_step", float("nan")) for r in runs) / len(runs)
+        fewer = "" if sync_bytes is None or not bytes_per_step else f"{sync_bytes / bytes_per_step:.0f}"
+        lines.append(f"| {name} | {cell(runs, 'metric', 3 if perplexity else 2)} | {vs} | {syncs:.1f} | "
+                     f"{bytes_per_step:.0f} | {fewer} |")
     return "\n".join(lines)
 
 

@@ -38,9 +38,24 @@ DiLoCo outer optimizer, ``outer_lr=0.7, outer_momentum=0.9``, Nesterov) and
 ``post_localSGD_hook`` and ``PeriodicModelAverager``, SGD with momentum 0.9).
 AdaGrad and Local AdaAlter share one learning rate and ``eps`` per task.
 
+Sparse synchronisation rows (``LAA H=h rate w0 <selector> d=<density>
+[acc=<a>] [outer]``, ``local SGD H=h w0 <selector> d=<density> [outer]``):
+at each synchronisation every rank sends its pseudo-gradient through
+:class:`ddp_hooks.adaalter.SparseAverage` (error feedback) instead of its
+parameters; ``w0``: no synchronous warm-up (local steps from the first);
+``acc=sparse`` (the default of a sparse row) sends the accumulators through
+the compressor too, ``acc=dense`` averages them densely at every
+synchronisation, ``acc=denseN`` densely every N-th; ``outer``: OuterSGD
+(0.7, 0.9, Nesterov). The sparse local SGD rows use
+:class:`ddp_hooks.AdaAlterAverager` with PyTorch's ``post_localSGD_hook``
+(DiLoCo with SGD inside).
+
 "syncs/epoch" counts the ``all_reduce`` calls of rank 0 per epoch, from every
 source (gradient buckets, averagings), measured by wrapping
-``torch.distributed.all_reduce``. Cells of the tables: the mean over seeds
+``torch.distributed.all_reduce``; "bytes/step" the bytes rank 0 hands to
+every collective (``all_reduce``, the ``all_gather`` family) per step, with
+the selectors' own agreement, and "x fewer" synchronous AdaGrad's bytes per
+step over the row's. Cells of the tables: the mean over seeds
 and half the range; the results (``--out``) hold every run, one JSON line
 each, with the per-epoch curve, and start with the command that made them.
 """
@@ -67,7 +82,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 from adaalter_tables import family_and_period, report, table  # noqa: E402
 from bench_fashion_mnist import cnn, epoch_order, evaluate, rank_shard  # noqa: E402
 from bench_models import CharLSTM  # noqa: E402
-from ddp_hooks import build_local_adaalter, build_local_sgd, build_sync_adagrad  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as plsgd  # noqa: E402
+from ddp_hooks import AdaAlterAverager, OuterSGD, build_local_adaalter, build_local_sgd, build_sync_adagrad  # noqa: E402
+from ddp_hooks.adaalter import SparseAverage  # noqa: E402
 from ddp_hooks.testing import run_distributed  # noqa: E402
 from fashion_mnist_data import find_fashion_mnist, read_fashion_mnist  # noqa: E402
 from fortunes_text import load_fortunes  # noqa: E402
@@ -86,8 +103,33 @@ def char_lstm(vocab: int, seed: int) -> torch.nn.Module:
     return CharLSTM(vocab)
 
 
-def run_config(name, kind, period=None, rule=None, outer=False):
-    return {"name": name, "kind": kind, "period": period, "rule": rule, "outer": outer}
+SELECTORS = ("random_block", "shared_topk", "topk", "randomk")
+
+
+def run_config(name, kind, period=None, rule=None, outer=False, warmup=WARMUP, selector=None, density=None,
+               accumulators="dense"):
+    return {"name": name, "kind": kind, "period": period, "rule": rule, "outer": outer, "warmup": warmup,
+            "selector": selector, "density": density, "accumulators": accumulators}
+
+
+def _options_of(words):
+    """The options after a row's rule: ``[w0] [<selector> d=<density>] [acc=<a>] [outer]``, or None."""
+    options = {"outer": words[-1:] == ["outer"]}
+    words = words[:len(words) - options["outer"]]
+    if words[:1] == ["w0"]:
+        options["warmup"], words = 0, words[1:]
+    if words and words[0] in SELECTORS and len(words) >= 2 and words[1].startswith("d="):
+        try:
+            options["density"] = float(words[1][2:])
+        except ValueError:
+            return None
+        options["selector"], options["accumulators"], words = words[0], "sparse", words[2:]
+    if words and words[0].startswith("acc=") and "selector" in options:
+        spec = words[0][4:]
+        if not (spec == "sparse" or spec == "dense" or (spec.startswith("dense") and spec[5:].isdigit())):
+            return None
+        options["accumulators"], words = spec, words[1:]
+    return None if words else options
 
 
 def run_named(name):
@@ -102,11 +144,16 @@ def run_named(name):
     words = family.split()
     if h > 0 and family == "local SGD":
         return run_config(name, "local_sgd", h)
-    if h > 0 and words[:1] == ["LAA"] and len(words) in (2, 3) and words[1] in RULES and words[2:] in ([], ["outer"]):
-        return run_config(name, "laa", h, words[1], len(words) == 3)
-    raise ValueError(f"--only: {name!r} names no run; the forms are 'sync AdaGrad', 'LAA H=<h> <rule>' and "
-                     f"'LAA H=<h> <rule> outer' (rule one of {', '.join(RULES)}), 'local SGD H=<h>', h a "
-                     f"positive integer")
+    if h > 0 and words[:2] == ["local", "SGD"] and (options := _options_of(words[2:])) and "selector" in options:
+        options.pop("accumulators")
+        return run_config(name, "local_sgd", h, **options)
+    if h > 0 and words[:1] == ["LAA"] and len(words) >= 2 and words[1] in RULES and \
+            (options := _options_of(words[2:])) is not None:
+        return run_config(name, "laa", h, words[1], **options)
+    raise ValueError(f"--only: {name!r} names no run; the forms are 'sync AdaGrad', 'LAA H=<h> <rule> [w0] "
+                     f"[<selector> d=<density> [acc=sparse|dense|denseN]] [outer]' (rule one of {', '.join(RULES)}, "
+                     f"selector one of {', '.join(SELECTORS)}), 'local SGD H=<h>', 'local SGD H=<h> [w0] "
+                     f"<selector> d=<density> [outer]', h a positive integer")
 
 
 def default_runs(periods=(4, 8, 16), rules=RULES, outer_rule="rate",
@@ -124,12 +171,27 @@ def build(ddp, run, hp):
     """The run's optimizer and a function to call after each optimizer step."""
     if run["kind"] == "sync":
         return build_sync_adagrad(ddp, lr=hp["lr"], eps=hp["eps"])[1], None
+    sparse = None if run["selector"] is None else SparseAverage(method=run["selector"], density=run["density"])
     if run["kind"] == "laa":
         outer = dict(outer_lr=0.7, outer_momentum=0.9) if run["outer"] else {}
-        return build_local_adaalter(ddp, lr=hp["lr"], eps=hp["eps"], period=run["period"], warmup_steps=WARMUP,
-                                    lazy_correction=run["rule"], **outer)[1], None
-    _, opt, averager = build_local_sgd(ddp, lr=hp["sgd_lr"], period=run["period"], warmup_steps=WARMUP,
-                                       momentum=0.9)
+        acc = run["accumulators"]
+        every = int(acc[5:]) if acc.startswith("dense") and acc[5:] else 1
+        return build_local_adaalter(ddp, lr=hp["lr"], eps=hp["eps"], period=run["period"],
+                                    warmup_steps=run["warmup"], lazy_correction=run["rule"], sparse=sparse,
+                                    accumulator_period=every * run["period"],
+                                    compress_accumulators=acc == "sparse", **outer)[1], None
+    if sparse is None:
+        _, opt, averager = build_local_sgd(ddp, lr=hp["sgd_lr"], period=run["period"], warmup_steps=WARMUP,
+                                           momentum=0.9)
+        return opt, lambda: averager.average_parameters(ddp.parameters())
+    state = plsgd.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=run["warmup"],
+                                    post_local_gradient_allreduce=False)
+    ddp.register_comm_hook(state, plsgd.post_localSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=hp["sgd_lr"], momentum=0.9)
+    averager = AdaAlterAverager(period=run["period"], warmup_steps=run["warmup"], sparse=sparse,
+                                outer=OuterSGD(lr=0.7, momentum=0.9) if run["outer"] else None)
+    if run["warmup"] == 0:  # the round's start: DDP broadcast the same parameters to every rank
+        averager.anchor_keeper.set_anchor(list(ddp.parameters()))
     return opt, lambda: averager.average_parameters(ddp.parameters())
 
 
@@ -188,11 +250,12 @@ def train_one(rank, world, task, data, run, args, seed):
         curve.append(round(data["metric"](_averaged(ddp.module, world)), 3 if task == "fortunes" else 2))
     return {"seed": seed, "name": run["name"], "metric": curve[-1], "curve": curve,
             "last_epoch_loss": sum(losses) / len(losses), "syncs_per_epoch": COUNT["all_reduce"] / args.epochs,
-            "seconds": round(time.perf_counter() - start, 1)}
+            "bytes_per_step": COUNT["bytes"] / (steps * args.epochs), "seconds": round(time.perf_counter() - start, 1)}
 
 
-COUNT = {"all_reduce": 0}
+COUNT = {"all_reduce": 0, "bytes": 0}
 ALL_REDUCE = dist.all_reduce  # the uncounted one, for evaluation
+GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 
 
 def _averaged(module, world):
@@ -215,12 +278,26 @@ def _averaged(module, world):
     return averaged
 
 
+def _bytes_handed(args, kwargs, position):
+    tensor = args[position] if len(args) > position else kwargs.get("tensor")
+    return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+
+
 def _count_all_reduce():
+    """Wrap ``all_reduce`` (calls and bytes) and the ``all_gather`` family (bytes each rank hands in)."""
     def counted(*a, **k):
         COUNT["all_reduce"] += 1
+        COUNT["bytes"] += _bytes_handed(a, k, 0)
         return ALL_REDUCE(*a, **k)
 
     dist.all_reduce = counted
+    for name in GATHERS:
+        original = getattr(dist, name, None)
+        if original is not None:
+            def gathered(*a, _original=original, **k):
+                COUNT["bytes"] += _bytes_handed(a, k, 1)
+                return _original(*a, **k)
+            setattr(dist, name, gathered)
 
 
 def body(rank, world, task, runs, args, seeds):
@@ -230,7 +307,7 @@ def body(rank, world, task, runs, args, seeds):
     results = []
     for seed in seeds:
         for run in runs:
-            COUNT["all_reduce"] = 0
+            COUNT["all_reduce"] = COUNT["bytes"] = 0
             result = train_one(rank, world, task, data, run, args, seed)
             if rank == 0:
                 print(json.dumps(result), flush=True)

@@ -14,8 +14,8 @@ Local AdaAlter (Xie, Koyejo, Gupta, Lin, 2019)::
 Test helpers live in :mod:`ddp_hooks.testing`.
 """
 
-from .adaalter import (AdaAlterAverager, LocalAdaAlter, LocalAdaAlterSchedule, LocalSGDState, OuterSGD,
-                       build_local_adaalter, local_sgd_hook)
+from .adaalter import (AdaAlterAverager, LocalAdaAlter, LocalAdaAlterSchedule, LocalSGDState, OuterOptimizer, OuterSGD,
+                       SparseAverage, build_local_adaalter, local_sgd_hook)
 from .baselines import build_local_sgd, build_sync_adagrad
 from .sparsify import SparsifyState, build_sparsify_sgd, check_optimizer, sparsify_hook
 
@@ -30,6 +30,8 @@ __all__ = [
     "build_local_adaalter",
     "AdaAlterAverager",
     "OuterSGD",
+    "OuterOptimizer",
+    "SparseAverage",
     "LocalSGDState",
     "local_sgd_hook",
     "LocalAdaAlterSchedule",

@@ -14,9 +14,13 @@ not a parameter received a gradient this step: the collective's size then
 never depends on which parameters were used, so it cannot deadlock.
 
 With an outer optimizer (:class:`~ddp_hooks.adaalter.outer_sgd.OuterSGD`, DiLoCo's and
-SlowMo's), the averaged parameters are then replaced by an outer SGD step
-from the parameters of the last synchronisation; the accumulators are
-averaged as before.
+SlowMo's, or any ``torch.optim`` optimizer through
+:class:`~ddp_hooks.adaalter.outer_optimizer.OuterOptimizer`), the averaged
+parameters are then replaced by an outer step from the parameters of the
+last synchronisation (the *anchor*); the accumulators are averaged as
+before. With a :class:`~ddp_hooks.adaalter.sparse_average.SparseAverage`
+the parameters are not sent: each rank sends its pseudo-gradient ``x_a - x``
+sparsely, with error feedback (:meth:`AdaAlterAverager.synchronise_`).
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import torch.distributed as dist
 
 from .._internal.collectives import check_same_on_all_ranks, world_size_and_rank
 from .._internal.validation import check_process_group
+from .outer_optimizer import OuterOptimizer
 from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule
+from .sparse_average import SparseAverage, sparse_settings
 
 __all__ = ["AdaAlterAverager"]
 
@@ -57,8 +63,10 @@ class AdaAlterAverager:
         schedule (LocalAdaAlterSchedule): share an existing schedule instead
             (then ``period`` and ``warmup_steps`` must be left at their defaults
             or equal the schedule's).
-        outer (OuterSGD): an outer optimizer for the averaged parameters, or
-            ``None`` (plain averaging). :meth:`average_parameters` applies
+        outer (OuterSGD or torch.optim.Optimizer): an outer optimizer for
+            the averaged parameters, or ``None`` (plain averaging); a
+            ``torch.optim`` optimizer is built over the averaged parameters
+            (:class:`~ddp_hooks.adaalter.outer_optimizer.OuterOptimizer`). :meth:`average_parameters` applies
             it at each averaging, from the parameters of the last
             synchronisation: at the first, those at the end of the warm-up
             (synchronous steps leave every rank the same). With
@@ -67,6 +75,10 @@ class AdaAlterAverager:
             (call ``outer.set_anchor(params)`` before training to give it
             one). ``LocalAdaAlter`` applies it to its own averagings, from
             the first on.
+        sparse (SparseAverage): send each rank's pseudo-gradient sparsely,
+            with error feedback, instead of its parameters (``None``: dense).
+            It needs an anchor as the outer optimizer does; an averaging
+            without one is dense and gives it one.
 
     Two uses:
 
@@ -97,7 +109,8 @@ class AdaAlterAverager:
         warmup_steps: int = 0,
         process_group: Optional[dist.ProcessGroup] = None,
         schedule: Optional[LocalAdaAlterSchedule] = None,
-        outer: Optional[OuterSGD] = None,
+        outer: Union[None, OuterSGD, OuterOptimizer, torch.optim.Optimizer] = None,
+        sparse: Optional[SparseAverage] = None,
     ) -> None:
         own = LocalAdaAlterSchedule(warmup_steps=warmup_steps, period=period)  # validates both
         check_process_group("process_group", process_group)
@@ -110,11 +123,16 @@ class AdaAlterAverager:
                 f"`period`={period}, `warmup_steps`={warmup_steps} differ from the given schedule's "
                 f"({schedule.period}, {schedule.warmup_steps}); pass only the schedule"
             )
-        if outer is not None and not isinstance(outer, OuterSGD):
-            raise TypeError(f"`outer` must be None or an OuterSGD, got {type(outer).__name__}")
+        if isinstance(outer, torch.optim.Optimizer):
+            outer = OuterOptimizer(outer)
+        if outer is not None and not isinstance(outer, (OuterSGD, OuterOptimizer)):
+            raise TypeError(f"`outer` must be None, an OuterSGD or a torch.optim.Optimizer, got {type(outer).__name__}")
+        if sparse is not None and not isinstance(sparse, SparseAverage):
+            raise TypeError(f"`sparse` must be None or a SparseAverage, got {type(sparse).__name__}")
         self.schedule = schedule
         self.process_group = process_group
         self.outer = outer
+        self.sparse = sparse
         self.averagings = 0
         self._outer_checked = False
 
@@ -143,6 +161,39 @@ class AdaAlterAverager:
             t.copy_(flat[offset:offset + n].view_as(t))
             offset += n
 
+    @property
+    def anchor_keeper(self):
+        """Who holds the round's starting point: the outer optimizer, else the sparse averaging, else nobody."""
+        outer = self.stepping_outer
+        return outer if outer is not None else self.sparse
+
+    @property
+    def stepping_outer(self):
+        """The outer optimizer, unless it is none or plain averaging (which is then skipped, bit for bit)."""
+        return None if self.outer is None or self.outer.is_plain_average else self.outer
+
+    @torch.no_grad()
+    def synchronise_(self, params: List[torch.Tensor], extra: List[torch.Tensor] = ()) -> None:
+        """One synchronisation: average ``params`` (sparsely where asked) and ``extra`` (densely), then the
+        outer step.
+
+        Sparse: ``x = x_a - mean_j c_j`` (:class:`SparseAverage`), ``extra``
+        in its own allreduce. Without an anchor yet (the first averaging of
+        a run whose local steps began without one) ``params`` and ``extra``
+        are averaged densely, in one allreduce, and that average is the anchor.
+        """
+        keeper = self.anchor_keeper
+        if self.sparse is None or not keeper.has_anchor:
+            self.average_(list(params) + list(extra))
+        else:
+            self.sparse.average_(params, keeper.anchors, self.process_group)
+            self.averagings += 1
+            self.average_(list(extra))
+        if self.stepping_outer is not None:
+            self.outer.apply_(params)
+        elif self.sparse is not None:
+            self.sparse.set_anchor(params)
+
     def average_parameters(self, params: Iterable[Union[torch.Tensor, dict]]) -> bool:
         """Advance the schedule by one step; average ``params`` if a synchronisation is due.
 
@@ -158,20 +209,18 @@ class AdaAlterAverager:
             self.schedule.check_across_ranks(self.process_group, world, params[0].device)
             self._check_outer_across_ranks(world, params[0].device)
         due = self.schedule.advance()
-        outer = self.outer if self.outer is not None and not self.outer.is_plain_average else None
+        keeper = self.anchor_keeper
         if due:
-            self.average_(params)
-            if outer is not None:
-                outer.apply_(params)
-        elif outer is not None and not outer.has_anchor and self.schedule.step == self.schedule.warmup_steps:
-            outer.set_anchor(params)  # the warm-up's end: every rank holds the same parameters
+            self.synchronise_(params)
+        elif keeper is not None and not keeper.has_anchor and self.schedule.step == self.schedule.warmup_steps:
+            keeper.set_anchor(params)  # the warm-up's end: every rank holds the same parameters
         return due
 
     def _check_outer_across_ranks(self, world: int, device) -> None:
         """Once: ranks with different outer optimizers would leave the average at different places."""
         if self._outer_checked:
             return
-        settings = {"outer": self.outer is not None, **outer_settings(self.outer)}
+        settings = {"outer": self.outer is not None, **outer_settings(self.outer), **sparse_settings(self.sparse)}
         check_same_on_all_ranks(settings, self.process_group, world, device, "outer optimizers",
                                 "every rank must take the same outer step from the same average")
         self._outer_checked = True
@@ -181,6 +230,8 @@ class AdaAlterAverager:
         state = {"schedule": self.schedule.state_dict(), "averagings": self.averagings}
         if self.outer is not None:
             state["outer"] = self.outer.state_dict()
+        if self.sparse is not None:
+            state["sparse"] = self.sparse.state_dict(self.process_group)
         return state
 
     def load_state_dict(self, state: Dict, params: Optional[Iterable[Union[torch.Tensor, dict]]] = None) -> None:
@@ -189,12 +240,21 @@ class AdaAlterAverager:
             saved, mine = ("with" if "outer" in state else "without"), ("has one" if self.outer else "has none")
             raise ValueError(f"the averager state was saved {saved} an outer optimizer and this averager {mine}; "
                              "build it as it was saved to resume")
-        if self.outer is not None and params is None:
-            raise ValueError("an averager with an outer optimizer needs `params` to load its state "
-                             "(the anchors take their shapes and devices)")
+        if ("sparse" in state) != (self.sparse is not None):
+            saved, mine = ("with" if "sparse" in state else "without"), ("has one" if self.sparse else "has none")
+            raise ValueError(f"the averager state was saved {saved} a sparse averaging and this averager {mine}; "
+                             "build it as it was saved to resume")
+        if (self.outer is not None or self.sparse is not None) and params is None:
+            raise ValueError("an averager with an outer optimizer or a sparse averaging needs `params` to load its "
+                             "state (the anchors take their shapes and devices)")
+        params = None if params is None else _flatten_params(params)
         check = LocalAdaAlterSchedule(warmup_steps=self.schedule.warmup_steps, period=self.schedule.period)
         check.load_state_dict(state["schedule"])  # validated on a copy: a refused state changes nothing
+        if self.sparse is not None:
+            self.sparse.check_loadable(state["sparse"], params, self.process_group)
         if self.outer is not None:
-            self.outer.load_state_dict(state["outer"], _flatten_params(params))
+            self.outer.load_state_dict(state["outer"], params)
+        if self.sparse is not None:
+            self.sparse.load_state_dict(state["sparse"], params, self.process_group)
         self.schedule.load_state_dict(state["schedule"])
         self.averagings = int(state["averagings"])

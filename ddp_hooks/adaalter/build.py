@@ -10,6 +10,7 @@ import torch.distributed as dist
 from .checks import check_ddp_model
 from .hook import LocalSGDState, local_sgd_hook
 from .optimizer import LocalAdaAlter
+from .sparse_average import SparseAverage
 
 __all__ = ["build_local_adaalter"]
 
@@ -25,8 +26,16 @@ def build_local_adaalter(
     outer_lr: float = 1.0,
     outer_momentum: float = 0.0,
     outer_nesterov: bool = True,
+    outer_optimizer: Optional[torch.optim.Optimizer] = None,
+    sparse: Optional[SparseAverage] = None,
+    accumulator_period: Optional[int] = None,
+    compress_accumulators: bool = False,
 ) -> Tuple[LocalSGDState, LocalAdaAlter]:
     """Build the hook state and the optimizer from one set of numbers; register the hook.
+
+    The arguments are :class:`LocalAdaAlter`'s (``sparse``: a
+    :class:`~ddp_hooks.adaalter.sparse_average.SparseAverage`, to send
+    pseudo-gradients sparsely at each synchronisation).
 
     Returns:
         ``(hook_state, optimizer)`` sharing one :class:`LocalAdaAlterSchedule`.
@@ -49,6 +58,8 @@ def build_local_adaalter(
     hook_state = LocalSGDState(process_group=process_group, warmup_steps=warmup_steps)
     opt = LocalAdaAlter(ddp_model.parameters(), lr=lr, eps=eps, period=period, warmup_steps=warmup_steps,
                         process_group=process_group, lazy_correction=lazy_correction, hook_state=hook_state,
-                        outer_lr=outer_lr, outer_momentum=outer_momentum, outer_nesterov=outer_nesterov)
+                        outer_lr=outer_lr, outer_momentum=outer_momentum, outer_nesterov=outer_nesterov,
+                        outer_optimizer=outer_optimizer, sparse=sparse, accumulator_period=accumulator_period,
+                        compress_accumulators=compress_accumulators)
     ddp_model.register_comm_hook(hook_state, local_sgd_hook)
     return hook_state, opt

@@ -15,9 +15,15 @@ and what to do, so that a refused state leaves the optimizer as it was:
 * every saved parameter group names a known lazy correction (or a bool, as
   states saved before the rules had names);
 * the schedule's warm-up and period are this optimizer's;
-* outer optimizer: present in both or in neither, with the same options and
+* outer optimizer: present in both or in neither, of the same kind
+  (OuterSGD or a ``torch.optim`` optimizer), with the same options and
   shapes (a state saved without one loads into an optimizer with one, which
-  then starts from where the next round begins).
+  then starts from where the next round begins);
+* the accumulators' period is this optimizer's; with it longer than the
+  period, a state saved at a synchronisation that did not average them holds
+  this rank's own accumulators, like one saved between synchronisations;
+* a sparse synchronisation's residuals belong to the rank that saved them:
+  such a state loads only on that rank of the same number of ranks.
 """
 
 from __future__ import annotations
@@ -45,8 +51,11 @@ def add_extra_state(state_dict: Dict[str, Any], opt: torch.optim.Optimizer) -> D
     state_dict["amp_agreements"] = opt.amp_agreements
     state_dict["averagings"] = opt.averager.averagings
     state_dict["world_size"], state_dict["rank"] = world_size_and_rank(opt.process_group)
+    state_dict["accumulator_period"] = opt.accumulator_period
     if opt.averager.outer is not None:
         state_dict["outer"] = opt.averager.outer.state_dict()
+    if opt.averager.sparse is not None:
+        state_dict["sparse"] = opt.averager.sparse.state_dict(opt.process_group)
     return state_dict
 
 
@@ -57,8 +66,18 @@ def load_checked(opt: torch.optim.Optimizer, state_dict: Dict[str, Any],
     outer = opt.averager.outer
     params = [p for g in opt.param_groups for p in g["params"]]
     world_size, rank = world_size_and_rank(opt.process_group)
-    check_loadable(state_dict, params=params, world_size=world_size, rank=rank, schedule=opt.schedule, outer=outer)
+    sparse = opt.averager.sparse
+    if ("sparse" in state_dict) != (sparse is not None):
+        saved, mine = ("with" if "sparse" in state_dict else "without"), ("has one" if sparse else "has none")
+        raise ValueError(f"this LocalAdaAlter state was saved {saved} a sparse synchronisation and this optimizer "
+                         f"{mine}; build it as it was saved to resume")
+    if sparse is not None:  # (first: its residuals make every state this rank's own)
+        sparse.check_loadable(state_dict["sparse"], params, opt.process_group)
+    check_loadable(state_dict, params=params, world_size=world_size, rank=rank, schedule=opt.schedule, outer=outer,
+                   accumulator_period=opt.accumulator_period)
     state_dict = dict(state_dict)
+    sparse_state = state_dict.pop("sparse", None)
+    state_dict.pop("accumulator_period", None)
     state_dict.pop("world_size", None)
     state_dict.pop("rank", None)
     schedule = state_dict.pop("schedule")
@@ -74,21 +93,31 @@ def load_checked(opt: torch.optim.Optimizer, state_dict: Dict[str, Any],
     opt.schedule.load_state_dict(schedule)
     if outer is not None:
         if outer_state is None:
-            outer.anchors = outer.velocities = None
+            outer.anchors = None
+            if isinstance(outer, OuterSGD):
+                outer.velocities = None
         else:
             outer.load_state_dict(outer_state, params)
+    if sparse is not None:
+        sparse.load_state_dict(sparse_state, params, opt.process_group)
     opt.amp_agreements, opt.averager.averagings = amp_agreements, averagings
 
 
 def check_loadable(state_dict: Dict[str, Any], *, params: List[torch.Tensor], world_size: int, rank: int,
-                   schedule: LocalAdaAlterSchedule, outer: Optional[OuterSGD]) -> None:
-    """Raise ``ValueError`` unless ``state_dict`` loads into an optimizer over ``params`` with ``schedule``
-    and ``outer``, on ``rank`` of ``world_size``."""
+                   schedule: LocalAdaAlterSchedule, outer, accumulator_period: Optional[int] = None) -> None:
+    """Raise ``ValueError`` unless ``state_dict`` loads into an optimizer over ``params`` with ``schedule``,
+    ``outer`` (an OuterSGD or OuterOptimizer) and ``accumulator_period``, on ``rank`` of ``world_size``."""
     if "schedule" not in state_dict:
         raise ValueError("this state dict has no 'schedule' entry; it was not saved by LocalAdaAlter.state_dict()")
     sched = state_dict["schedule"]
     saved_world, saved_rank = state_dict.get("world_size"), state_dict.get("rank")
-    if saved_world is not None and int(sched["step"]) != int(sched["last_sync"]) and \
+    saved_period = int(state_dict.get("accumulator_period") or sched["period"] or 1)
+    if accumulator_period is not None and saved_period != accumulator_period and "accumulator_period" in state_dict:
+        raise ValueError(f"this LocalAdaAlter state averages its accumulators every {saved_period} steps and this "
+                         f"optimizer every {accumulator_period} (`accumulator_period`); build it as it was saved")
+    own_accumulators = int(sched["step"]) != int(sched["last_sync"]) or \
+        (int(sched["step"]) - int(sched["warmup_steps"])) % saved_period != 0
+    if saved_world is not None and own_accumulators and int(sched["step"]) > int(sched["warmup_steps"]) and \
             (saved_world, saved_rank) != (world_size, rank):
         raise ValueError(
             f"this LocalAdaAlter state was saved by rank {saved_rank} of {saved_world} between two averagings "
@@ -113,10 +142,19 @@ def check_loadable(state_dict: Dict[str, Any], *, params: List[torch.Tensor], wo
     outer_state = state_dict.get("outer")
     if outer_state is not None and outer is None:
         raise ValueError(
-            f"this LocalAdaAlter state was saved with an outer optimizer (outer_lr={outer_state['lr']}, "
-            f"outer_momentum={outer_state['momentum']}) and this optimizer has none; build it with the saved "
-            "outer_lr and outer_momentum to resume"
+            f"this LocalAdaAlter state was saved with an outer optimizer ({_outer_kind(outer_state)}) and this "
+            "optimizer has none; build it with the saved outer optimizer to resume"
         )
-    if outer is not None and outer_state is not None:
+    if outer is not None and outer_state is not None and isinstance(outer, OuterSGD) != ("optimizer" not in outer_state):
+        mine = "the built-in outer SGD" if isinstance(outer, OuterSGD) else "a torch.optim outer optimizer"
+        raise ValueError(f"this LocalAdaAlter state was saved with an outer optimizer ({_outer_kind(outer_state)}) "
+                         f"and this optimizer has {mine}; build it with the saved kind of outer optimizer to resume")
+    if isinstance(outer, OuterSGD) and outer_state is not None:
         copy = OuterSGD(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
         copy.load_state_dict(outer_state, params)  # on a copy
+
+
+def _outer_kind(outer_state: Dict[str, Any]) -> str:
+    if "optimizer" in outer_state:
+        return "a torch.optim optimizer"
+    return f"outer_lr={outer_state['lr']}, outer_momentum={outer_state['momentum']}"

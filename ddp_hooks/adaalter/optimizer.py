@@ -70,15 +70,17 @@ import torch
 import torch.distributed as dist
 
 from .._internal.collectives import world_size_and_rank
-from .._internal.validation import check_process_group
+from .._internal.validation import check_bool, check_int, check_process_group
 from .amp import inverse_scale, skip_step
 from .averager import AdaAlterAverager
 from .checkpoint import add_extra_state, load_checked
 from .checks import check_positive
 from .hook import LocalSGDState
 from .lazy_correction import check_rule, denominator
+from .outer_optimizer import OuterOptimizer
 from .outer_sgd import OuterSGD, outer_settings
 from .schedule import LocalAdaAlterSchedule, driver_settings, register_owner
+from .sparse_average import SparseAverage, sparse_settings
 
 __all__ = ["LocalAdaAlter"]
 
@@ -108,6 +110,17 @@ class LocalAdaAlter(torch.optim.Optimizer):
         outer_momentum (float): in [0, 1); the outer optimizer's momentum
             (0 by default; DiLoCo: ``outer_lr=0.7, outer_momentum=0.9``).
         outer_nesterov (bool): Nesterov outer momentum (default) or heavy ball.
+        outer_optimizer (torch.optim.Optimizer): instead of ``outer_lr``,
+            ``outer_momentum`` and ``outer_nesterov``: any optimizer built over
+            the same parameters, stepped on the round's pseudo-gradient
+            (:class:`~ddp_hooks.adaalter.outer_optimizer.OuterOptimizer`).
+        sparse (SparseAverage): send each rank's pseudo-gradient sparsely,
+            with error feedback, at each synchronisation (``None``, the
+            default: the dense average of the parameters).
+        accumulator_period (int): average the accumulators every this many
+            steps, a multiple of ``period`` (default: ``period``).
+        compress_accumulators (bool): send the accumulators through
+            ``sparse`` as well (needs ``sparse``; default False: dense).
         hook_state (LocalSGDState): the hook state to share the schedule with
             (its warm-up must match); without it the hook finds this optimizer
             through the parameters at its first call.
@@ -143,6 +156,10 @@ class LocalAdaAlter(torch.optim.Optimizer):
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         outer_nesterov: bool = True,
+        outer_optimizer: Optional[torch.optim.Optimizer] = None,
+        sparse: Optional[SparseAverage] = None,
+        accumulator_period: Optional[int] = None,
+        compress_accumulators: bool = False,
     ) -> None:
         check_positive("lr", lr, "it is the learning rate")
         check_positive("eps", eps, "eps^2 is the initial accumulation; 0 would divide by zero at the first step")
@@ -150,6 +167,23 @@ class LocalAdaAlter(torch.optim.Optimizer):
         check_process_group("process_group", process_group)
         lazy_correction = check_rule(lazy_correction)
         outer = OuterSGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_nesterov)
+        if outer_optimizer is not None:
+            if not outer.is_plain_average or not outer_nesterov:
+                raise ValueError(f"`outer_optimizer` was given with outer_lr={outer_lr}, outer_momentum="
+                                 f"{outer_momentum}, outer_nesterov={outer_nesterov}: those build the built-in "
+                                 "outer SGD; give its numbers to the optimizer instead, or leave it out")
+            outer = OuterOptimizer(outer_optimizer)
+        if sparse is not None and not isinstance(sparse, SparseAverage):
+            raise TypeError(f"`sparse` must be None or a SparseAverage, got {type(sparse).__name__}")
+        accumulator_period = period if accumulator_period is None else accumulator_period
+        check_int("accumulator_period", accumulator_period, 1, "it is the number of steps between averagings of "
+                  "the accumulators")
+        if accumulator_period % period:
+            raise ValueError(f"`accumulator_period` must be a multiple of `period`={period}, got {accumulator_period}; "
+                             "the accumulators are averaged at a synchronisation of the parameters")
+        check_bool("compress_accumulators", compress_accumulators, "True sends the accumulators through `sparse`")
+        if compress_accumulators and sparse is None:
+            raise ValueError("`compress_accumulators`=True needs `sparse`, the SparseAverage that sends them")
         if hook_state is not None and not isinstance(hook_state, LocalSGDState):
             raise TypeError(f"`hook_state` must be None or a LocalSGDState, got {type(hook_state).__name__}")
         super().__init__(params, dict(lr=float(lr), eps=float(eps), lazy_correction=lazy_correction))
@@ -158,7 +192,11 @@ class LocalAdaAlter(torch.optim.Optimizer):
         self.schedule = schedule
         schedule.set_driver(self._settings)
         self.averager = AdaAlterAverager(process_group=process_group, schedule=schedule,
-                                         outer=None if outer.is_plain_average else outer)
+                                         outer=None if outer.is_plain_average else outer, sparse=sparse)
+        if outer_optimizer is not None:
+            outer.check_params(self._params())
+        self.accumulator_period = accumulator_period
+        self.compress_accumulators = compress_accumulators
         self.process_group = process_group
         self.amp_agreements = 0  # one-float allreduces issued to agree on skipping
         register_owner(self._params(), schedule)
@@ -187,6 +225,11 @@ class LocalAdaAlter(torch.optim.Optimizer):
             self.state[p] = {"sum_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                              "local_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         if hasattr(self, "schedule"):
+            if self.averager.sparse is not None or isinstance(self.averager.outer, OuterOptimizer):
+                self.param_groups.pop()
+                raise ValueError("LocalAdaAlter with `sparse` or `outer_optimizer` cannot take a parameter group "
+                                 "after construction: their residuals and anchors are laid out over the "
+                                 "parameters it was built with; pass every group to the constructor")
             register_owner(self.param_groups[-1]["params"], self.schedule)
             outer = self.averager.outer
             if outer is not None and outer.has_anchor:  # the anchors no longer cover every parameter
@@ -198,7 +241,9 @@ class LocalAdaAlter(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _settings(self) -> Dict[str, Any]:
-        return {**driver_settings(self.param_groups), **outer_settings(self.averager.outer)}
+        return {**driver_settings(self.param_groups), **outer_settings(self.averager.outer),
+                **sparse_settings(self.averager.sparse), "accumulator_period": self.accumulator_period,
+                "compress_accumulators": self.compress_accumulators}
 
     def _check_ranks(self) -> None:
         """Before the first step's collectives: all ranks built alike? (Done by the hook when it ran first.)"""
@@ -228,10 +273,10 @@ class LocalAdaAlter(torch.optim.Optimizer):
         if self._skip_for_amp(warmup):
             return loss  # the schedule does not advance: the step did not happen
         inv_scale = inverse_scale(getattr(self, "grad_scale", None))  # set by GradScaler.step
-        local_steps = sched.local_steps_next()
-        outer = self.averager.outer
-        if outer is not None and not outer.has_anchor and not warmup and local_steps == 1:
-            outer.set_anchor(self._params())  # a round begins from parameters every rank shares
+        local_steps = self._accumulated_steps_next()
+        keeper = self.averager.anchor_keeper
+        if keeper is not None and not keeper.has_anchor and not warmup and sched.local_steps_next() == 1:
+            keeper.set_anchor(self._params())  # a round begins from parameters every rank shares
         for group in self.param_groups:
             lr, eps2, rule = group["lr"], group["eps"] ** 2, group["lazy_correction"]
             for p in group["params"]:
@@ -251,6 +296,17 @@ class LocalAdaAlter(torch.optim.Optimizer):
             self._synchronise()
         return loss
 
+    def _accumulated_steps_next(self) -> int:
+        """``t - t0`` for the next step, ``t0`` the last averaging of the accumulators: 1 in warm-up."""
+        sched = self.schedule
+        if sched.in_warmup or self.accumulator_period == sched.period:
+            return sched.local_steps_next()
+        return (sched.step - sched.warmup_steps) % self.accumulator_period + 1
+
+    def _accumulators_due(self) -> bool:
+        """At a synchronisation: are the accumulators averaged at this one?"""
+        return (self.schedule.step - self.schedule.warmup_steps) % self.accumulator_period == 0
+
     def _sq_rate(self, p: torch.Tensor) -> torch.Tensor:
         """``r`` of the ``"rate"`` correction (made at first use, so states saved under another rule load)."""
         st = self.state[p]
@@ -261,11 +317,15 @@ class LocalAdaAlter(torch.optim.Optimizer):
     def _synchronise(self) -> None:
         params = self._params()
         local = [self.state[p]["local_sq"] for p in params]
-        self.averager.average_(params + local)
-        outer = self.averager.outer
-        if outer is not None:  # (after loading a state without one mid-round, this averaging is its start)
-            outer.apply_(params)
-        round_steps = self.schedule.period
+        due = self._accumulators_due()
+        dense_local = local if due and not self.compress_accumulators else []
+        # (after loading a state without an anchor mid-round, this averaging is dense and gives the anchor)
+        self.averager.synchronise_(params, dense_local)
+        if not due:
+            return
+        if self.compress_accumulators:
+            self.averager.sparse.mean_accumulators_(local, self.process_group)
+        round_steps = self.accumulator_period
         for group in self.param_groups:
             for p in group["params"]:
                 a = self.state[p]["local_sq"]

@@ -130,8 +130,12 @@ class OuterSGD:
         self.velocities = [v.to(device=p.device, dtype=p.dtype).clone() for v, p in zip(velocities, like)]
 
 
-def outer_settings(outer: Optional[OuterSGD]) -> Dict[str, object]:
-    """The cross-rank checks' view of an outer optimizer; ``None`` reads as plain averaging."""
+def outer_settings(outer) -> Dict[str, object]:
+    """The cross-rank checks' view of an outer optimizer (an :class:`OuterSGD`, or one with ``settings()``, as
+    :class:`~ddp_hooks.adaalter.outer_optimizer.OuterOptimizer`); ``None`` reads as plain averaging."""
     if outer is None:
-        return {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": True}
-    return {"outer_lr": outer.lr, "outer_momentum": outer.momentum, "outer_nesterov": outer.nesterov}
+        return {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": True, "outer_kind": 0}
+    if not isinstance(outer, OuterSGD):
+        return outer.settings()
+    return {"outer_lr": outer.lr, "outer_momentum": outer.momentum, "outer_nesterov": outer.nesterov,
+            "outer_kind": 0}

@@ -30,6 +30,7 @@ from .._internal.validation import check_int
 from .._internal.collectives import check_same_on_all_ranks
 from .lazy_correction import RULE_CODES, check_rule
 from .outer_sgd import outer_settings
+from .sparse_average import sparse_settings
 
 __all__ = ["LocalAdaAlterSchedule"]
 
@@ -165,7 +166,8 @@ class LocalAdaAlterSchedule:
 
 # Settings of the cross-rank check for a schedule without an optimizer (same keys as the optimizer's).
 _NO_DRIVER = {"optimizer": False, "lr": 0.0, "eps": 0.0, "lazy_correction": 0, "param_groups": 0,
-              "averaged_numel": 0, "groups_crc32": 0, **outer_settings(None)}
+              "averaged_numel": 0, "groups_crc32": 0, **outer_settings(None), **sparse_settings(None),
+              "accumulator_period": 0, "compress_accumulators": False}
 
 
 def driver_settings(param_groups) -> Dict:

@@ -51,7 +51,7 @@ def test_misuse_is_refused_with_the_reason():
         OuterSGD(lr=-1.0)
     with pytest.raises(TypeError, match="`outer_nesterov` must be a bool"):
         OuterSGD(nesterov=1)
-    with pytest.raises(TypeError, match="`outer` must be None or an OuterSGD, got dict"):
+    with pytest.raises(TypeError, match="`outer` must be None, an OuterSGD or a torch.optim.Optimizer, got dict"):
         AdaAlterAverager(period=2, outer={"lr": 0.7})
 
 
