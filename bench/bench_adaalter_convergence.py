@@ -43,9 +43,10 @@ Sparse synchronisation rows (``LAA H=h rate w0 <selector> d=<density>
 at each synchronisation every rank sends its pseudo-gradient through
 :class:`ddp_hooks.adaalter.SparseAverage` (error feedback) instead of its
 parameters; ``w0``: no synchronous warm-up (local steps from the first);
-``acc=sparse`` (the default of a sparse row) sends the accumulators through
-the compressor too, ``acc=dense`` averages them densely at every
-synchronisation, ``acc=denseN`` densely every N-th; ``outer``: OuterSGD
+``fp16`` after the density sends the values in float16; ``acc=sparse`` (the
+default of a sparse row) sends the accumulators through the compressor too,
+``acc=sparseN`` at every N-th synchronisation, ``acc=dense`` averages them
+densely at every synchronisation, ``acc=denseN`` densely every N-th; ``outer``: OuterSGD
 (0.7, 0.9, Nesterov). The sparse local SGD rows use
 :class:`ddp_hooks.AdaAlterAverager` with PyTorch's ``post_localSGD_hook``
 (DiLoCo with SGD inside).
@@ -53,9 +54,9 @@ synchronisation, ``acc=denseN`` densely every N-th; ``outer``: OuterSGD
 "syncs/epoch" counts the ``all_reduce`` calls of rank 0 per epoch, from every
 source (gradient buckets, averagings), measured by wrapping
 ``torch.distributed.all_reduce``; "bytes/step" the bytes rank 0 hands to
-every collective (``all_reduce``, the ``all_gather`` family) per step, with
-the selectors' own agreement, and "x fewer" synchronous AdaGrad's bytes per
-step over the row's. Cells of the tables: the mean over seeds
+every collective (``all_reduce``, the ``all_gather`` family, and the
+``broadcast`` of shared top-k's positions on the rank that sends them) per
+step, and "x fewer" synchronous AdaGrad's bytes per step over the row's. Cells of the tables: the mean over seeds
 and half the range; the results (``--out``) hold every run, one JSON line
 each, with the per-epoch curve, and start with the command that made them.
 """
@@ -107,9 +108,9 @@ SELECTORS = ("random_block", "shared_topk", "topk", "randomk")
 
 
 def run_config(name, kind, period=None, rule=None, outer=False, warmup=WARMUP, selector=None, density=None,
-               accumulators="dense"):
+               accumulators="dense", value_dtype=None):
     return {"name": name, "kind": kind, "period": period, "rule": rule, "outer": outer, "warmup": warmup,
-            "selector": selector, "density": density, "accumulators": accumulators}
+            "selector": selector, "density": density, "accumulators": accumulators, "value_dtype": value_dtype}
 
 
 def _options_of(words):
@@ -124,9 +125,12 @@ def _options_of(words):
         except ValueError:
             return None
         options["selector"], options["accumulators"], words = words[0], "sparse", words[2:]
+        if words[:1] == ["fp16"]:
+            options["value_dtype"], words = "float16", words[1:]
     if words and words[0].startswith("acc=") and "selector" in options:
         spec = words[0][4:]
-        if not (spec == "sparse" or spec == "dense" or (spec.startswith("dense") and spec[5:].isdigit())):
+        kind = spec.rstrip("0123456789")
+        if kind not in ("sparse", "dense") or spec[len(kind):].startswith("0"):
             return None
         options["accumulators"], words = spec, words[1:]
     return None if words else options
@@ -151,7 +155,7 @@ def run_named(name):
             (options := _options_of(words[2:])) is not None:
         return run_config(name, "laa", h, words[1], **options)
     raise ValueError(f"--only: {name!r} names no run; the forms are 'sync AdaGrad', 'LAA H=<h> <rule> [w0] "
-                     f"[<selector> d=<density> [acc=sparse|dense|denseN]] [outer]' (rule one of {', '.join(RULES)}, "
+                     f"[<selector> d=<density> [fp16] [acc=sparse|sparseN|dense|denseN]] [outer]' (rule one of {', '.join(RULES)}, "
                      f"selector one of {', '.join(SELECTORS)}), 'local SGD H=<h>', 'local SGD H=<h> [w0] "
                      f"<selector> d=<density> [outer]', h a positive integer")
 
@@ -171,15 +175,17 @@ def build(ddp, run, hp):
     """The run's optimizer and a function to call after each optimizer step."""
     if run["kind"] == "sync":
         return build_sync_adagrad(ddp, lr=hp["lr"], eps=hp["eps"])[1], None
-    sparse = None if run["selector"] is None else SparseAverage(method=run["selector"], density=run["density"])
+    sparse = None if run["selector"] is None else SparseAverage(method=run["selector"], density=run["density"],
+                                                                value_dtype=run["value_dtype"])
     if run["kind"] == "laa":
         outer = dict(outer_lr=0.7, outer_momentum=0.9) if run["outer"] else {}
         acc = run["accumulators"]
-        every = int(acc[5:]) if acc.startswith("dense") and acc[5:] else 1
+        kind = acc.rstrip("0123456789")
+        every = int(acc[len(kind):] or 1)
         return build_local_adaalter(ddp, lr=hp["lr"], eps=hp["eps"], period=run["period"],
                                     warmup_steps=run["warmup"], lazy_correction=run["rule"], sparse=sparse,
                                     accumulator_period=every * run["period"],
-                                    compress_accumulators=acc == "sparse", **outer)[1], None
+                                    compress_accumulators=kind == "sparse", **outer)[1], None
     if sparse is None:
         _, opt, averager = build_local_sgd(ddp, lr=hp["sgd_lr"], period=run["period"], warmup_steps=WARMUP,
                                            momentum=0.9)
@@ -291,6 +297,15 @@ def _count_all_reduce():
         return ALL_REDUCE(*a, **k)
 
     dist.all_reduce = counted
+    broadcast = dist.broadcast
+
+    def broadcast_counted(*a, **k):  # shared top-k's positions: counted on the rank that sends them
+        src = a[1] if len(a) > 1 else k.get("src")
+        if src == dist.get_rank():
+            COUNT["bytes"] += _bytes_handed(a, k, 0)
+        return broadcast(*a, **k)
+
+    dist.broadcast = broadcast_counted
     for name in GATHERS:
         original = getattr(dist, name, None)
         if original is not None:

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence
 
 from ddp_hooks.sparsify import SparsifyOptions
 
-__all__ = ["Method", "Run", "sparsifier", "all_methods", "summary_methods", "headline_methods", "full_plan",
+__all__ = ["Method", "Run", "sparsifier", "sparse_adaalter", "all_methods", "summary_methods", "headline_methods", "full_plan",
            "headline_plan",
            "quick_plan", "repeat", "BANDWIDTHS"]
 
@@ -51,6 +51,10 @@ class Method:
     # step times are always taken at a constant density
     density_warmup: Optional[int] = None
     value_dtype: Optional[str] = None  # sparsifiers: the dtype values travel in (None: the gradient's)
+    # Local AdaAlter: what a synchronisation sends (the recipe's --sync, --sync-density, --compress-accumulators)
+    sync: str = "dense"
+    sync_density: float = 0.01
+    compress_accumulators: bool = False
 
     @property
     def hook_warmup(self) -> int:
@@ -90,7 +94,8 @@ class Method:
             lazy_correction=None, outer_lr=1.0, outer_momentum=0.0,  # Local AdaAlter's defaults
             # step times in the steady state: no density warm-up inside the timed windows
             block_size=SparsifyOptions.block_size, density_warmup_steps=0,  # random-block: the default blocks
-            value_dtype=self.value_dtype)
+            value_dtype=self.value_dtype, sync=self.sync, sync_density=self.sync_density, accumulator_period=0,
+            compress_accumulators=self.compress_accumulators)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -123,6 +128,14 @@ FP16 = Method("fp16 hook", "fp16")
 POWERSGD = {r: Method(f"PowerSGD rank {r}", "powersgd", powersgd_rank=r) for r in (1, 4)}
 SYNC_ADAGRAD = Method("sync AdaGrad", "allreduce", optimizer="adagrad")
 ADAALTER = {h: Method(f"Local AdaAlter H={h}", "local_sgd", optimizer="local_adaalter", period=h) for h in (4, 8)}
+
+
+def sparse_adaalter(period: int, sync: str, density: float) -> Method:
+    """Local AdaAlter whose synchronisations send pseudo-gradients and accumulators through ``sync`` at
+    ``density``, error-fed (the recipe's ``--sync``, ``--sync-density``, ``--compress-accumulators``)."""
+    label = {"random_block": "random-block", "shared_topk": "shared top-k"}.get(sync, sync)
+    return Method(f"Local AdaAlter H={period}, {label} {density}", "local_sgd", optimizer="local_adaalter",
+                  period=period, sync=sync, sync_density=density, compress_accumulators=True)
 
 
 def all_methods() -> List[Method]:

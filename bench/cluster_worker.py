@@ -116,17 +116,18 @@ class MethodBench:
         self.images, self.labels = images, labels
         self.averaging_s = 0.0
         averager = getattr(self.optimizer, "averager", None)
-        if averager is not None:  # Local AdaAlter: time its averaging collective (bytes are counted already)
-            average_ = averager.average_
-
-            def timed_average_(tensors):
-                start = time.perf_counter()
-                try:
-                    return average_(tensors)
-                finally:
-                    self.averaging_s += time.perf_counter() - start
-
-            averager.average_ = timed_average_
+        if averager is not None:  # Local AdaAlter: time its synchronisation (bytes are counted already)
+            owners = [(averager, "synchronise_")]
+            if averager.sparse is not None:  # the accumulators' sparse exchange runs beside synchronise_
+                owners.append((averager.sparse, "mean_accumulators_"))
+            for owner, name in owners:
+                def timed(*args, _call=getattr(owner, name), **kwargs):
+                    start = time.perf_counter()
+                    try:
+                        return _call(*args, **kwargs)
+                    finally:
+                        self.averaging_s += time.perf_counter() - start
+                setattr(owner, name, timed)
 
     def step(self) -> Dict[str, float]:
         t0 = time.perf_counter()

@@ -11,6 +11,12 @@ default lazy correction (``rate``). Step times: the cluster's worker on
 ``fortunes-lstm`` with 32 windows of 64 characters per host and step (4
 hosts, 1 Gbit/s and 100 Mbit/s, ``--part lm-step-times``).
 
+Local AdaAlter with a sparse synchronisation (pseudo-gradients and
+accumulators through shared top-k, error-fed, no synchronous warm-up): its
+curves are the sparse rows' 4-rank run of the same benchmark
+(``bench/results/adaalter-sparse-fortunes-w4.jsonl``), which holds sync
+AdaGrad's again.
+
 The target is sync AdaGrad's final perplexity (mean over the seeds). A
 method's time to it: the warm-up steps at sync AdaGrad's step time, the rest
 at its own, up to the end of the first epoch whose mean perplexity is at or
@@ -29,22 +35,32 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from cluster_report import merge_rounds, read_results
-from cluster_plan import ADAALTER, NOOP, SYNC_ADAGRAD, Method, Run
+from cluster_plan import ADAALTER, NOOP, SYNC_ADAGRAD, Method, Run, sparse_adaalter
 from tta_plan import BANDWIDTHS, HOSTS
 
-__all__ = ["LM_MODEL", "LM_CURVES", "LM_RUNS", "STEPS_PER_EPOCH", "WARMUP_STEPS", "lm_step_time_plan",
+__all__ = ["LM_MODEL", "LM_CURVES", "LM_SPARSE_CURVES", "LM_RUNS", "warmup_of", "STEPS_PER_EPOCH", "WARMUP_STEPS", "lm_step_time_plan",
            "first_epoch_at_or_below", "mean_curves", "lm_report"]
 
 LM_MODEL = "fortunes-lstm"
-LM_CURVES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "adaalter-fortunes-w4.jsonl")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+LM_CURVES = os.path.join(RESULTS, "adaalter-fortunes-w4.jsonl")
+LM_SPARSE_CURVES = os.path.join(RESULTS, "adaalter-sparse-fortunes-w4.jsonl")
 #: the cluster's method of each curve's run name
-LM_RUNS: Dict[str, Method] = {"sync AdaGrad": SYNC_ADAGRAD, "LAA H=4 rate": ADAALTER[4], "LAA H=8 rate": ADAALTER[8]}
+LM_RUNS: Dict[str, Method] = {"sync AdaGrad": SYNC_ADAGRAD, "LAA H=4 rate": ADAALTER[4], "LAA H=8 rate": ADAALTER[8],
+                              "LAA H=8 rate w0 shared_topk d=0.01": sparse_adaalter(8, "shared_topk", 0.01),
+                              "LAA H=16 rate w0 shared_topk d=0.01": sparse_adaalter(16, "shared_topk", 0.01)}
 STEPS_PER_EPOCH = 96  # per rank, at 4 ranks (bench_adaalter_convergence: 384 steps per epoch over all ranks)
-WARMUP_STEPS = 32  # synchronous steps before the local ones, in the curves' runs
+WARMUP_STEPS = 32  # synchronous steps before the local ones, in the curves' runs (none in a 'w0' run)
+
+
+def warmup_of(name: str) -> int:
+    """The synchronous steps of the curves' run ``name``: none for sync AdaGrad (all are) and 'w0' runs."""
+    return 0 if name == "sync AdaGrad" or " w0" in name else WARMUP_STEPS
 
 
 def lm_step_time_plan(rounds: int = 1) -> List[Run]:
-    """The noop hook, sync AdaGrad and Local AdaAlter H = 4, 8 on ``fortunes-lstm``, :data:`HOSTS` hosts."""
+    """The noop hook, sync AdaGrad, Local AdaAlter H = 4, 8 and the sparse rows of :data:`LM_RUNS` on
+    ``fortunes-lstm``, :data:`HOSTS` hosts."""
     rows = [NOOP] + list(LM_RUNS.values())
     return [Run(HOSTS, LM_MODEL, rows, BANDWIDTHS, round=k) for k in range(rounds)]
 
@@ -54,30 +70,39 @@ def first_epoch_at_or_below(curve: Sequence[float], target: float) -> Optional[i
     return next((epoch for epoch, value in enumerate(curve, 1) if value <= target), None)
 
 
-def mean_curves(path: str = LM_CURVES) -> Dict[str, List[float]]:
-    """Each run name of :data:`LM_RUNS`: its perplexity after each epoch, the mean over the seeds in ``path``."""
-    with open(path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
+def mean_curves(*paths: str) -> Dict[str, List[float]]:
+    """Each run name of :data:`LM_RUNS`: its perplexity after each epoch, the mean over the seeds; a run of
+    the same name and seed in a later file of ``paths`` (default: :data:`LM_CURVES`) replaces an earlier one."""
+    runs: Dict[tuple, List[float]] = {}
+    for path in paths or (LM_CURVES,):
+        with open(path) as f:
+            for line in (json.loads(line) for line in f if line.strip()):
+                if line.get("name") in LM_RUNS:
+                    runs[(line["name"], line["seed"])] = line["curve"]
     curves: Dict[str, List[List[float]]] = {}
-    for line in lines:
-        if line.get("name") in LM_RUNS:
-            curves.setdefault(line["name"], []).append(line["curve"])
-    return {name: [sum(values) / len(values) for values in zip(*runs)] for name, runs in curves.items()}
+    for (name, _), curve in runs.items():
+        curves.setdefault(name, []).append(curve)
+    return {name: [sum(values) / len(values) for values in zip(*seeds)] for name, seeds in curves.items()}
 
 
 def _step_seconds(records: Sequence[dict]) -> Dict[tuple, float]:
     return {(r["bandwidth"], r["label"]): r["s_per_step"] for r in merge_rounds(records)}
 
 
-def lm_report(step_times_path: str, curves_path: str = LM_CURVES) -> List[str]:
-    """Markdown lines: per bandwidth, each method's s/step, x noop, epochs and seconds to the target."""
-    curves = mean_curves(curves_path)
+def lm_report(step_times_path: str, *curves_paths: str) -> List[str]:
+    """Markdown lines: per bandwidth, each method's s/step, x noop, epochs and seconds to the target (the
+    curves: ``curves_paths``, by default :data:`LM_CURVES` and, where it exists, :data:`LM_SPARSE_CURVES`)."""
+    if not curves_paths:
+        curves_paths = tuple(p for p in (LM_CURVES, LM_SPARSE_CURVES) if os.path.exists(p))
+    curves = mean_curves(*curves_paths)
     records, run = read_results(step_times_path)
     seconds = _step_seconds(records)
-    with open(curves_path) as f:
-        curves_command = json.loads(f.readline())["command"]
+    commands = []
+    for path in curves_paths:
+        with open(path) as f:
+            commands.append(f"$ {json.loads(f.readline())['command']}")
     target = curves["sync AdaGrad"][-1]
-    lines = [f"$ {curves_command}", f"$ {run['command'] if run else '(step times: no run line)'}", "",
+    lines = [*commands, f"$ {run['command'] if run else '(step times: no run line)'}", "",
              f"fortunes LSTM (120,944 parameters), 4 ranks, target: sync AdaGrad's final validation perplexity "
              f"{target:.3f} (mean of the seeds; perplexity after each epoch of {STEPS_PER_EPOCH} steps).", "",
              "| bandwidth | method | s/step | x noop | epochs to target | time to target, s | speed-up over "
@@ -98,7 +123,7 @@ def lm_report(step_times_path: str, curves_path: str = LM_CURVES) -> List[str]:
                 cells = ["never", "never", ""]
             else:
                 steps = epoch * STEPS_PER_EPOCH
-                warm = 0 if method is SYNC_ADAGRAD else min(WARMUP_STEPS, steps)
+                warm = min(warmup_of(name), steps)
                 total = warm * sync_s + (steps - warm) * own
                 base = total if method is SYNC_ADAGRAD else base
                 cells = [f"{epoch}", f"{total:.1f}", "" if base is None else f"{base / total:.2f}x"]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 
-__all__ = ["HOOKS", "BENCH_HOOKS", "OPTIMIZERS", "Exchange", "build_exchange", "build_optimizer",
+__all__ = ["HOOKS", "BENCH_HOOKS", "OPTIMIZERS", "SYNC_SELECTORS", "Exchange", "build_exchange", "build_optimizer",
            "hook_warmup_steps"]
 
 HOOKS = ("allreduce", "fp16", "powersgd", "sparsify", "local_sgd")
@@ -34,6 +34,8 @@ HOOKS = ("allreduce", "fp16", "powersgd", "sparsify", "local_sgd")
 # bucket, the cost of keeping the ranks in step alone (latency, waiting for the slowest rank).
 BENCH_HOOKS = ("noop", "barrier")
 OPTIMIZERS = ("sgd", "adagrad", "local_adaalter")
+#: local_adaalter's sparse synchronisations (--sync): the selectors that send pseudo-gradients
+SYNC_SELECTORS = ("random_block", "shared_topk", "topk", "randomk")
 
 
 def hook_warmup_steps(args) -> int:
@@ -109,7 +111,8 @@ class Exchange:
         return 0
 
     def count_averaging(self, optimizer) -> None:
-        """Count LocalAdaAlter's model averaging (parameters and accumulators) as bytes sent."""
+        """Count LocalAdaAlter's model averaging (parameters and accumulators; with a sparse synchronisation
+        what its compressors sent) as bytes sent."""
         averager, exchange = optimizer.averager, self
         average_ = averager.average_
 
@@ -118,6 +121,21 @@ class Exchange:
             return average_(tensors)
 
         averager.average_ = counted_average_
+        sparse = averager.sparse
+        if sparse is None:
+            return
+
+        def sent():
+            return sum(counters.bytes_sent for counters in sparse.counters.values())
+
+        for name in ("average_", "mean_accumulators_"):
+            def counted(*args, _exchange_=getattr(sparse, name), **kwargs):
+                before = sent()
+                try:
+                    return _exchange_(*args, **kwargs)
+                finally:
+                    exchange._bytes_counted += sent() - before
+            setattr(sparse, name, counted)
 
     @property
     def bytes_sent(self) -> int:
@@ -251,15 +269,19 @@ def build_optimizer(args, params, exchange: Optional[Exchange] = None,
     if args.optimizer == "adagrad":
         return torch.optim.Adagrad(params, lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     if args.optimizer == "local_adaalter":
-        from ddp_hooks import LocalAdaAlter
+        from ddp_hooks import LocalAdaAlter, SparseAverage
 
         # Not ddp_hooks.build_local_adaalter: it registers the hook at once, and the recipe
         # registers only after loading a checkpoint and settling DDP's buckets.
         rule = {} if args.lazy_correction is None else {"lazy_correction": args.lazy_correction}
+        sync = getattr(args, "sync", None) or "dense"
+        sparse = None if sync == "dense" else SparseAverage(method=sync, density=args.sync_density)
         opt = LocalAdaAlter(params, lr=args.lr, eps=args.eps, period=args.period,
                             warmup_steps=hook_warmup_steps(args), process_group=process_group,
                             hook_state=exchange.state if exchange is not None else None,
-                            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, **rule)
+                            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, sparse=sparse,
+                            accumulator_period=getattr(args, "accumulator_period", None) or None,
+                            compress_accumulators=bool(getattr(args, "compress_accumulators", False)), **rule)
         if exchange is not None:
             exchange.count_averaging(opt)
         return opt

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helper mod
 
 from cifar_data import augment, load_cifar10, make_synthetic  # noqa: E402
 from cifar_models import MODELS, build_model  # noqa: E402
-from comm_setup import HOOKS, OPTIMIZERS, build_exchange, build_optimizer  # noqa: E402
+from comm_setup import HOOKS, OPTIMIZERS, SYNC_SELECTORS, build_exchange, build_optimizer  # noqa: E402
 from fashion_mnist_data import DEBIAN_FOLDER, load_fashion_mnist  # noqa: E402
 from run_metrics import MetricsFile, PhaseTimer, format_bytes, summary_table  # noqa: E402
 
@@ -70,11 +70,16 @@ _OWNED_OPTIONS = {
     "lazy_correction": ("optimizer", "local_adaalter", None),  # None: the optimizer's default
     "outer_lr": ("optimizer", "local_adaalter", 1.0),
     "outer_momentum": ("optimizer", "local_adaalter", 0.0),
+    "sync": ("optimizer", "local_adaalter", "dense"),
+    "sync_density": ("optimizer", "local_adaalter", 0.01),
+    "accumulator_period": ("optimizer", "local_adaalter", 0),  # 0: every --period steps
+    "compress_accumulators": ("optimizer", "local_adaalter", False),
     "momentum": ("optimizer", "sgd", 0.9),
 }
 _ADAGRAD_EPS = {"adagrad": 1e-10, "local_adaalter": 1.0}
 # Run settings compared on --resume that checkpoints written before them lack, with the values they ran with.
-_CONFIG_ADDED_LATER = {"lazy_correction": "paper", "outer_lr": 1.0, "outer_momentum": 0.0}
+_CONFIG_ADDED_LATER = {"lazy_correction": "paper", "outer_lr": 1.0, "outer_momentum": 0.0, "sync": "dense",
+                       "sync_density": 0.01, "accumulator_period": 0, "compress_accumulators": False}
 
 
 class _OncePerJobParser(argparse.ArgumentParser):
@@ -154,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "--outer-momentum 0 plain averaging; DiLoCo: 0.7)")
     g.add_argument("--outer-momentum", type=float, default=None,
                    help="local_adaalter: outer optimizer's Nesterov momentum (default: 0; DiLoCo: 0.9)")
+    g.add_argument("--sync", choices=("dense",) + SYNC_SELECTORS, default=None,
+                   help="local_adaalter: what a synchronisation sends: 'dense' (the parameters, the default) or "
+                        "each rank's pseudo-gradient through this selector, with error feedback")
+    g.add_argument("--sync-density", type=float, default=None,
+                   help="local_adaalter with a sparse --sync: fraction of each parameter sent (default: 0.01)")
+    g.add_argument("--accumulator-period", type=int, default=None,
+                   help="local_adaalter: average the accumulators every this many steps, a multiple of --period "
+                        "(default: --period)")
+    g.add_argument("--compress-accumulators", action="store_const", const=True, default=None,
+                   help="local_adaalter with a sparse --sync: send the accumulators sparsely too")
     g.add_argument("--epochs", type=int, default=2, help="epochs (default: 2)")
     g.add_argument("--stop-after", type=int, default=None,
                    help="end after this many epochs in all, keeping the schedule of --epochs, to split one run "
@@ -241,6 +256,16 @@ def validate_args(args, cuda_available: bool) -> None:
         if not 0.0 <= args.outer_momentum < 1.0:
             raise ValueError("--outer-momentum must be in [0, 1): it is the outer optimizer's momentum factor, "
                              f"got {args.outer_momentum}")
+        if not 0.0 < args.sync_density <= 1.0:
+            raise ValueError(f"--sync-density must be in (0, 1]: it is the fraction of each parameter a "
+                             f"synchronisation sends, got {args.sync_density}")
+        if args.accumulator_period < 0 or args.accumulator_period % args.period:
+            raise ValueError(f"--accumulator-period must be a positive multiple of --period {args.period} (or 0: "
+                             f"--period): the accumulators are averaged at a synchronisation, got "
+                             f"{args.accumulator_period}")
+        if args.compress_accumulators and args.sync == "dense":
+            raise ValueError("--compress-accumulators needs a sparse --sync: it sends the accumulators through "
+                             "the same selector")
     if args.hook == "powersgd":
         if args.powersgd_rank < 1:
             raise ValueError(f"--powersgd-rank must be >= 1, got {args.powersgd_rank}")
@@ -407,7 +432,8 @@ class Trainer:
                   "world_size": self.world_size, "seed": a.seed}
         if a.optimizer == "local_adaalter":  # a checkpoint's param groups would silently win over the flags
             config.update(lazy_correction=self.optimizer.defaults["lazy_correction"], outer_lr=a.outer_lr,
-                          outer_momentum=a.outer_momentum)
+                          outer_momentum=a.outer_momentum, sync=a.sync, sync_density=a.sync_density,
+                          accumulator_period=a.accumulator_period, compress_accumulators=a.compress_accumulators)
         return config
 
     def _save_snapshot(self) -> None:

@@ -253,6 +253,8 @@ class AdaAlterAverager:
         if self.sparse is not None:
             self.sparse.check_loadable(state["sparse"], params, self.process_group)
         if self.outer is not None:
+            self.outer.check_loadable(state["outer"], params)
+        if self.outer is not None:
             self.outer.load_state_dict(state["outer"], params)
         if self.sparse is not None:
             self.sparse.load_state_dict(state["sparse"], params, self.process_group)

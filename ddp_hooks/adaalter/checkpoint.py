@@ -111,19 +111,23 @@ def check_loadable(state_dict: Dict[str, Any], *, params: List[torch.Tensor], wo
         raise ValueError("this state dict has no 'schedule' entry; it was not saved by LocalAdaAlter.state_dict()")
     sched = state_dict["schedule"]
     saved_world, saved_rank = state_dict.get("world_size"), state_dict.get("rank")
-    saved_period = int(state_dict.get("accumulator_period") or sched["period"] or 1)
-    if accumulator_period is not None and saved_period != accumulator_period and "accumulator_period" in state_dict:
+    step, warmup = int(sched["step"]), int(sched["warmup_steps"])
+    saved_period = int(state_dict.get("accumulator_period") or sched["period"] or 1)  # (saved before: the period)
+    own_accumulators = step > warmup and (step != int(sched["last_sync"]) or (step - warmup) % saved_period != 0)
+    if accumulator_period is not None and saved_period != accumulator_period and \
+            (own_accumulators or (step > warmup and (step - warmup) % accumulator_period != 0)):
         raise ValueError(f"this LocalAdaAlter state averages its accumulators every {saved_period} steps and this "
-                         f"optimizer every {accumulator_period} (`accumulator_period`); build it as it was saved")
-    own_accumulators = int(sched["step"]) != int(sched["last_sync"]) or \
-        (int(sched["step"]) - int(sched["warmup_steps"])) % saved_period != 0
-    if saved_world is not None and own_accumulators and int(sched["step"]) > int(sched["warmup_steps"]) and \
-            (saved_world, saved_rank) != (world_size, rank):
+                         f"optimizer every {accumulator_period} (`accumulator_period`), and it was saved at step "
+                         f"{step}, where the two differ on what the local accumulators hold; build it as it was "
+                         "saved, or resume from a step where both averaged them")
+    if saved_world is not None and own_accumulators and (saved_world, saved_rank) != (world_size, rank):
         raise ValueError(
-            f"this LocalAdaAlter state was saved by rank {saved_rank} of {saved_world} between two averagings "
-            f"(step {sched['step']}, last averaged at {sched['last_sync']}), and this is rank {rank} of {world_size}: "
-            "its local accumulators belong to that rank alone. Resume on the same ranks, or from a checkpoint "
-            "taken at an averaging step (step == last_sync), which loads on any number of ranks"
+            f"this LocalAdaAlter state was saved by rank {saved_rank} of {saved_world} between two averagings of its "
+            f"accumulators (step {step}, last synchronised at {sched['last_sync']}), and this is rank {rank} of "
+            f"{world_size}: "
+            "its local accumulators belong to that rank alone "
+            f"(they are averaged every {saved_period} steps after the warm-up). Resume on the same ranks, or from a "
+            "checkpoint taken at a step that averaged them, which loads on any number of ranks"
         )
     saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
     for i, p in zip(saved_ids, params):
@@ -145,16 +149,11 @@ def check_loadable(state_dict: Dict[str, Any], *, params: List[torch.Tensor], wo
             f"this LocalAdaAlter state was saved with an outer optimizer ({_outer_kind(outer_state)}) and this "
             "optimizer has none; build it with the saved outer optimizer to resume"
         )
-    if outer is not None and outer_state is not None and isinstance(outer, OuterSGD) != ("optimizer" not in outer_state):
-        mine = "the built-in outer SGD" if isinstance(outer, OuterSGD) else "a torch.optim outer optimizer"
-        raise ValueError(f"this LocalAdaAlter state was saved with an outer optimizer ({_outer_kind(outer_state)}) "
-                         f"and this optimizer has {mine}; build it with the saved kind of outer optimizer to resume")
-    if isinstance(outer, OuterSGD) and outer_state is not None:
-        copy = OuterSGD(lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
-        copy.load_state_dict(outer_state, params)  # on a copy
+    if outer is not None and outer_state is not None:
+        outer.check_loadable(outer_state, params)  # kind, options and shapes, on a copy
 
 
 def _outer_kind(outer_state: Dict[str, Any]) -> str:
     if "optimizer" in outer_state:
-        return "a torch.optim optimizer"
+        return f"a torch.optim {outer_state.get('kind', 'optimizer')}"
     return f"outer_lr={outer_state['lr']}, outer_momentum={outer_state['momentum']}"

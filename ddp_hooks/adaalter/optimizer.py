@@ -45,7 +45,9 @@ Conventions:
   (``False``) ``sqrt(B2_t0 + eps^2)``, as the authors' MXNet code; ``"rate"``
   ``sqrt(B2_t0 + eps^2 + (t - t0 - 1) * r)``, ``r`` (``state["sq_rate"]``,
   one more tensor the size of the parameters) the accumulator's mean growth
-  per step over the last round.
+  per step over the last round (over the last ``accumulator_period`` steps;
+  with ``compress_accumulators``, the rank's own growth, since what arrives
+  of the accumulators is 0 where nothing was sent).
 * ``A_i`` (``state["local_sq"]``) is the rank's own sum of squared gradients
   since ``t0``. With ``H = 1`` the update of ``x`` equals synchronous AdaAlter's,
   but ``B2`` grows by ``mean_j g_j^2``, not ``(mean_j g_j)^2``.
@@ -187,14 +189,14 @@ class LocalAdaAlter(torch.optim.Optimizer):
         if hook_state is not None and not isinstance(hook_state, LocalSGDState):
             raise TypeError(f"`hook_state` must be None or a LocalSGDState, got {type(hook_state).__name__}")
         super().__init__(params, dict(lr=float(lr), eps=float(eps), lazy_correction=lazy_correction))
+        if outer_optimizer is not None:
+            outer.check_params(self._params())
         if hook_state is not None:
             hook_state.attach(schedule)  # raises on a warm-up mismatch
         self.schedule = schedule
         schedule.set_driver(self._settings)
         self.averager = AdaAlterAverager(process_group=process_group, schedule=schedule,
                                          outer=None if outer.is_plain_average else outer, sparse=sparse)
-        if outer_optimizer is not None:
-            outer.check_params(self._params())
         self.accumulator_period = accumulator_period
         self.compress_accumulators = compress_accumulators
         self.process_group = process_group
@@ -323,13 +325,18 @@ class LocalAdaAlter(torch.optim.Optimizer):
         self.averager.synchronise_(params, dense_local)
         if not due:
             return
-        if self.compress_accumulators:
-            self.averager.sparse.mean_accumulators_(local, self.process_group)
         round_steps = self.accumulator_period
+        rated = [p for g in self.param_groups if g["lazy_correction"] == "rate" for p in g["params"]]
+        if self.compress_accumulators:
+            # r from the rank's own squares, before the exchange: what arrives is 0 off the sent positions
+            # and carries several rounds' squares on them
+            for p in rated:
+                torch.div(self.state[p]["local_sq"], round_steps, out=self._sq_rate(p))
+            self.averager.sparse.mean_accumulators_(local, self.process_group)
         for group in self.param_groups:
             for p in group["params"]:
                 a = self.state[p]["local_sq"]
-                if group["lazy_correction"] == "rate":
+                if group["lazy_correction"] == "rate" and not self.compress_accumulators:
                     torch.div(a, round_steps, out=self._sq_rate(p))
                 self.state[p]["sum_sq"].add_(a)
                 a.zero_()
@@ -343,12 +350,15 @@ class LocalAdaAlter(torch.optim.Optimizer):
         """Restore accumulators and the schedule; period and warm-up must match this optimizer's.
 
         The rule for another number of ranks: a state saved at a
-        synchronisation (any warm-up step, or the step of an averaging; then
-        ``step == last_sync``) is the same on every rank, and loads on any
-        number of ranks and on any rank. A state saved between two
-        synchronisations holds this rank's own local accumulators (and goes
-        with this rank's own parameters): it loads only on the rank that saved
-        it, with the same number of ranks; anything else raises ``ValueError``.
+        synchronisation that averaged the accumulators (any warm-up step, or
+        the step of such an averaging) is the same on every rank, and loads
+        on any number of ranks and on any rank. A state saved anywhere else
+        (between two synchronisations, or at one that averaged the
+        parameters only, ``accumulator_period``) holds this rank's own local
+        accumulators (and goes with this rank's own parameters), and with
+        ``sparse`` every state after its first exchange holds this rank's
+        residuals: such a state loads only on the rank that saved it, with
+        the same number of ranks; anything else raises ``ValueError``.
         Accumulators whose shapes differ from the parameters' (another model),
         unknown rules and outer-optimizer mismatches raise ``ValueError``
         before anything is changed (:mod:`ddp_hooks.adaalter.checkpoint`).

@@ -94,15 +94,30 @@ class OuterOptimizer:
             anchor.copy_(p)
 
     def state_dict(self) -> Dict[str, object]:
-        """The optimizer's state dict and the anchors (empty before the first)."""
-        return {"optimizer": self.optimizer.state_dict(), "anchors": list(self.anchors or [])}
+        """The optimizer's class, settings and state dict, and the anchors (empty before the first)."""
+        return {"kind": type(self.optimizer).__name__, "settings": self.settings(),
+                "optimizer": self.optimizer.state_dict(), "anchors": list(self.anchors or [])}
 
-    def load_state_dict(self, state: Dict[str, object], like: Sequence[torch.Tensor]) -> None:
-        """Restore a :meth:`state_dict`; ``like`` are the parameters (for shapes and devices)."""
+    def check_loadable(self, state: Dict[str, object], like: Sequence[torch.Tensor]) -> None:
+        """Raise ``ValueError`` unless ``state`` comes from an outer optimizer like this one over parameters
+        shaped like ``like`` (``torch.optim`` would take another's hyperparameters, or fail at its step)."""
+        if "optimizer" not in state:
+            raise ValueError("the checkpoint's outer optimizer is the built-in OuterSGD (outer_lr, outer_momentum) "
+                             "and this one a torch.optim optimizer; build it with the saved kind to resume")
+        saved = (state.get("kind"), state.get("settings"))
+        if saved != (type(self.optimizer).__name__, self.settings()):
+            raise ValueError(f"the checkpoint's outer optimizer is {saved[0]} with {saved[1]} and this one "
+                             f"{type(self.optimizer).__name__} with {self.settings()}; build it as it was saved "
+                             "to resume")
         anchors = list(state["anchors"])
         if anchors and (len(anchors) != len(like) or any(a.shape != p.shape for a, p in zip(anchors, like))):
             raise ValueError("the checkpoint's outer-optimizer anchors do not match the parameters' shapes: "
                              "it was saved from a different model")
+
+    def load_state_dict(self, state: Dict[str, object], like: Sequence[torch.Tensor]) -> None:
+        """Restore a :meth:`state_dict`; ``like`` are the parameters (for shapes and devices)."""
+        self.check_loadable(state, like)
+        anchors = list(state["anchors"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.anchors = [a.to(device=p.device, dtype=p.dtype).clone() for a, p in zip(anchors, like)] if anchors \
             else None

@@ -109,6 +109,13 @@ class OuterSGD:
         return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
                 "anchors": list(self.anchors or []), "velocities": list(self.velocities or [])}
 
+    def check_loadable(self, state: Dict[str, object], like: List[torch.Tensor]) -> None:
+        """Raise ``ValueError`` unless :meth:`load_state_dict` takes ``state`` (tried on a copy)."""
+        if "optimizer" in state:
+            raise ValueError("the checkpoint's outer optimizer is a torch.optim optimizer and this one the built-in "
+                             "OuterSGD (outer_lr, outer_momentum); build it with the saved kind to resume")
+        OuterSGD(lr=self.lr, momentum=self.momentum, nesterov=self.nesterov).load_state_dict(state, like)
+
     def load_state_dict(self, state: Dict[str, object], like: List[torch.Tensor]) -> None:
         """Restore a :meth:`state_dict`; ``like`` are the parameters (for shapes and devices)."""
         saved = (float(state["lr"]), float(state["momentum"]), bool(state["nesterov"]))

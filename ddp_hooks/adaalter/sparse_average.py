@@ -43,6 +43,7 @@ import zlib
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .._internal.collectives import world_size_and_rank
 from ..sparsify.compressor import SparseCompressor
@@ -63,13 +64,17 @@ class SparseAverage:
         aggregation (str): ``"allreduce"`` or ``"allgather"``; by default the
             selector's own (AllGather for top-k, AllReduce otherwise).
         value_dtype (str): the dtype the values travel in (``"float32"``,
-            ``"float16"``, ``"bfloat16"``; default: the parameters').
+            ``"float16"``, ``"bfloat16"``; default float32, the dtype the
+            pseudo-gradient is formed in, whatever the parameters' dtype).
         block_size (int): entries per block of ``random_block``.
         seed (int): seeds the random selectors (every rank must pass the same).
 
     The residuals are per rank, float32, one per parameter (and one per
     accumulator): a checkpoint of this object belongs to the rank that saved
-    it. ``counters`` (a :class:`~ddp_hooks.stats.CommStats` per stream,
+    it (before its first exchange it holds none, and loads anywhere).
+    Parameters of a lower precision than float32 cannot take every sent
+    update exactly: what their rounding leaves out goes back into every
+    rank's residual, and is sent again. ``counters`` (a :class:`~ddp_hooks.stats.CommStats` per stream,
     ``"parameters"`` and ``"accumulators"``) count what was sent against
     the dense exchange.
     """
@@ -113,7 +118,11 @@ class SparseAverage:
         offset = 0
         for p, anchor in zip(params, anchors):
             n = p.numel()
-            p.copy_((anchor.float().reshape(-1) - mean[offset:offset + n]).view_as(p))
+            exact = anchor.float().reshape(-1) - mean[offset:offset + n]
+            p.copy_(exact.view_as(p))
+            if p.dtype != torch.float32:  # the same rounding on every rank: each carries it, so its mean arrives
+                self.compressors["parameters"].residuals.flat(0)[offset:offset + n].add_(
+                    p.detach().reshape(-1).float() - exact)
             offset += n
 
     @torch.no_grad()
@@ -128,6 +137,10 @@ class SparseAverage:
             offset += n
 
     def _exchange(self, stream: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], group) -> torch.Tensor:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("SparseAverage exchanges through torch.distributed and no process group is "
+                               "initialised: call torch.distributed.init_process_group first (a single process "
+                               "may join one of world size 1), or leave `sparse` out for dense averaging")
         # one unit per tensor, keyed apart per stream so that the two streams draw independent positions
         first = 0 if stream == "parameters" else len(tensors)
         layout, offset = [], 0
@@ -159,7 +172,8 @@ class SparseAverage:
             raise ValueError(f"the checkpoint's sparse averaging was built with {state['config']} but this one "
                              f"with {self.options.config_ints()}; build it with the saved options to resume")
         world, rank = world_size_and_rank(group)
-        if (int(state["world_size"]), int(state["rank"])) != (world, rank):
+        exchanged = any(int(n) for n in state["exchanges"].values())  # (before the first: no residual yet)
+        if exchanged and (int(state["world_size"]), int(state["rank"])) != (world, rank):
             raise ValueError(f"this sparse-averaging state was saved by rank {state['rank']} of "
                              f"{state['world_size']} and this is rank {rank} of {world}: its error-feedback "
                              "residuals belong to that rank alone; resume on the same ranks, each from its own file")

@@ -283,12 +283,28 @@ def test_state_saved_between_averagings_loads_only_on_its_own_rank_and_world_siz
     sd = _saved(steps=5)  # warm-up step 1, averagings after steps 4 and 7: step 5 is between two
     assert (sd["schedule"]["step"], sd["schedule"]["last_sync"]) == (5, 4)
     fresh = LocalAdaAlter([torch.nn.Parameter(torch.zeros(3, 2))], lr=0.5, eps=1.0, period=3, warmup_steps=1)
-    with pytest.raises(ValueError, match=r"saved by rank 1 of 2 between two averagings \(step 5, last averaged at "
-                                         r"4\), and this is rank 0 of 1: its local accumulators belong to that rank"):
+    with pytest.raises(ValueError, match=r"saved by rank 1 of 2 between two averagings of its accumulators \(step 5, "
+                                         r"last synchronised at 4\), and this is rank 0 of 1: its local accumulators "
+                                         r"belong to that rank"):
         fresh.load_state_dict(sd)
     assert fresh.schedule.step == 0  # refused before anything changed
     fresh.load_state_dict({**sd, "world_size": 1, "rank": 0})  # the rank that saved it: fine
     assert fresh.schedule.step == 5
+
+
+def test_accumulators_on_their_own_period_decide_where_a_state_loads():
+    w = torch.nn.Parameter(torch.zeros(3, 2))
+    sd = _saved(steps=4)  # warm-up step 1, period 3: step 4 averaged the parameters and the accumulators
+    assert sd.pop("accumulator_period") == 3  # as saved before it existed: read as the period
+    # step 4 suits H_acc = 3 but not 6
+    LocalAdaAlter([w], lr=0.5, eps=1.0, period=3, warmup_steps=1).load_state_dict(sd)
+    with pytest.raises(ValueError, match="averages its accumulators every 3 steps and this optimizer every 6"):
+        LocalAdaAlter([w], lr=0.5, eps=1.0, period=3, warmup_steps=1, accumulator_period=6).load_state_dict(sd)
+    # with H_acc = 6 step 4 averaged the parameters only: the accumulators are rank 1's own
+    six = {**sd, "accumulator_period": 6}
+    with pytest.raises(ValueError, match=r"rank 1 of 2 between two averagings of its accumulators \(step 4, last "
+                                         r"synchronised at 4\).*averaged every 6 steps"):
+        LocalAdaAlter([w], lr=0.5, eps=1.0, period=3, warmup_steps=1, accumulator_period=6).load_state_dict(six)
 
 
 def test_state_saved_at_an_averaging_loads_on_any_number_of_ranks():

@@ -223,7 +223,11 @@ def test_language_part_docstring_examples_and_plan():
     (run,) = tta_language.lm_step_time_plan()
     assert run.model == "fortunes-lstm" and run.hosts == 4
     assert [m.label for m in run.methods] == ["noop hook (no exchange)", "sync AdaGrad", "Local AdaAlter H=4",
-                                              "Local AdaAlter H=8"]
+                                              "Local AdaAlter H=8", "Local AdaAlter H=8, shared top-k 0.01",
+                                              "Local AdaAlter H=16, shared top-k 0.01"]
+    sparse = run.methods[-1].recipe_args()
+    assert (sparse.sync, sparse.sync_density, sparse.compress_accumulators, sparse.period) == \
+        ("shared_topk", 0.01, True, 16)
 
 
 def test_language_report_charges_the_warmup_at_sync_adagrads_step_time(tmp_path):
@@ -236,19 +240,25 @@ def test_language_report_charges_the_warmup_at_sync_adagrads_step_time(tmp_path)
         lines += [{"seed": seed, "name": "sync AdaGrad", "curve": [13.0 + shift, 10.0 + shift, 9.0 + shift]},
                   {"seed": seed, "name": "LAA H=4 rate", "curve": [12.0 + shift, 9.05 + shift, 8.9 + shift]},
                   {"seed": seed, "name": "LAA H=8 rate", "curve": [14.0, 13.0, 12.0]},
-                  {"seed": seed, "name": "LAA H=4 paper", "curve": [1.0, 1.0, 1.0]}]  # not the default rule
+                  {"seed": seed, "name": "LAA H=4 paper", "curve": [1.0, 1.0, 1.0]},  # not the default rule
+                  {"seed": seed, "name": "LAA H=16 rate w0 shared_topk d=0.01", "curve": [11.0, 9.0, 8.0]}]
     curves.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     steps = tmp_path / "s.jsonl"
     records = [dict(_record(m, bw, t), model="fortunes-lstm") for bw in ("1gbit", "100mbit")
-               for m, t in ((NOOP, 0.05), (SYNC_ADAGRAD, 0.2), (ADAALTER[4], 0.1), (ADAALTER[8], 0.08))]
+               for m, t in ((NOOP, 0.05), (SYNC_ADAGRAD, 0.2), (ADAALTER[4], 0.1), (ADAALTER[8], 0.08),
+                            (tta_language.LM_RUNS["LAA H=16 rate w0 shared_topk d=0.01"], 0.06))]
     steps.write_text("\n".join(json.dumps(r) for r in records) + "\n" + json.dumps({"run": {"command": "s"}}) + "\n")
     text = "\n".join(tta_language.lm_report(str(steps), str(curves)))
+    assert "Local AdaAlter H=8, shared top-k 0.01 | (not measured)" in text  # no curve: the row says so
     assert "target: sync AdaGrad's final validation perplexity 9.100" in text
     sync_s = 3 * 96 * 0.2  # sync AdaGrad reaches its own final mean at epoch 3
     laa_s = 32 * 0.2 + (3 * 96 - 32) * 0.1  # LAA H=4's mean after epoch 2 is 9.15, above the target: epoch 3
     assert f"| 1gbit | sync AdaGrad | 0.200 | 4.00 | 3 | {sync_s:.1f} | 1.00x | 9.100 |" in text
     assert f"| 1gbit | Local AdaAlter H=4 | 0.100 | 2.00 | 3 | {laa_s:.1f} | {sync_s / laa_s:.2f}x | 9.000 |" in text
     assert "| 100mbit | Local AdaAlter H=8 | 0.080 | 1.60 | never | never |  | 12.000 |" in text
+    sparse_s = 2 * 96 * 0.06  # no warm-up: every step at its own time; 9.0 <= 9.1 after epoch 2
+    assert (f"| 1gbit | Local AdaAlter H=16, shared top-k 0.01 | 0.060 | 1.20 | 2 | {sparse_s:.1f} | "
+            f"{sync_s / sparse_s:.2f}x | 8.000 |") in text
 
 
 def test_the_benchmark_lstm_is_the_adaalter_benchmarks_and_fits_the_debian_corpus():

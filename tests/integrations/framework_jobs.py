@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_hooks import SparsifyState, build_local_adaalter, sparsify_hook
+from ddp_hooks import SparseAverage, SparsifyState, build_local_adaalter, sparsify_hook
 from small_mlp import batch, flat, small_mlp
 
 STEPS_PER_EPOCH = 4
@@ -41,18 +41,22 @@ def plain_ddp(rank, world, steps):
     return flat(model.module.parameters()), state.stats()
 
 
-def local_adaalter(ddp_model):
+def local_adaalter(ddp_model, sparse=False):
     """Local AdaAlter averaging every 2 steps after 1 synchronous step, with DiLoCo's outer optimizer: rounds
     end at steps 3, 5, 7, so a checkpoint after step 4 falls mid-round, where the ranks' weights and
-    accumulators differ (and the outer optimizer holds an anchor and a velocity)."""
+    accumulators differ (and the outer optimizer holds an anchor and a velocity). ``sparse``: the
+    synchronisations send pseudo-gradients and accumulators through shared top-k at 0.25, error-fed (each
+    rank's residuals differ at every step)."""
+    options = dict(sparse=SparseAverage(method="shared_topk", density=0.25), compress_accumulators=True) \
+        if sparse else {}
     return build_local_adaalter(ddp_model, lr=0.1, eps=1.0, period=2, warmup_steps=1, outer_lr=0.7,
-                                outer_momentum=0.9)
+                                outer_momentum=0.9, **options)
 
 
-def plain_ddp_local_adaalter(rank, world, steps):
+def plain_ddp_local_adaalter(rank, world, steps, sparse=False):
     """The reference: the user's own DDP loop with Local AdaAlter; each rank's weights (they differ)."""
     model = DDP(small_mlp())
-    _, optimizer = local_adaalter(model)
+    _, optimizer = local_adaalter(model, sparse)
     for step in range(steps):
         optimizer.zero_grad()
         loss_at(model, rank, step).backward()

@@ -80,32 +80,32 @@ def test_the_hook_runs_trains_as_plain_ddp_and_resumes_bitwise(tmp_path):
     check_against_plain(results, EPOCHS * STEPS_PER_EPOCH)
 
 
-def _local_adaalter_on_lightnings_ddp(module):
+def _fit_local_adaalter(rank, world, epochs, sparse, **checkpointing):
     from framework_jobs import local_adaalter
 
-    return local_adaalter(module.trainer.strategy.model)[1]  # registers its own hook
-
-
-def _fit_local_adaalter(rank, world, epochs, **checkpointing):
     from ddp_hooks.integrations.lightning import EveryRankCheckpoint
 
-    return _fit(rank, world, epochs, EveryRankCheckpoint(), _local_adaalter_on_lightnings_ddp, **checkpointing)
+    def make_optimizer(module):
+        return local_adaalter(module.trainer.strategy.model, sparse)[1]  # registers its own hook
+
+    return _fit(rank, world, epochs, EveryRankCheckpoint(), make_optimizer, **checkpointing)
 
 
-def _local_adaalter_against_plain(rank, world, folder):
+def _local_adaalter_against_plain(rank, world, folder, sparse):
     from framework_jobs import plain_ddp_local_adaalter
 
-    plain = plain_ddp_local_adaalter(rank, world, EPOCHS * STEPS_PER_EPOCH)
-    whole = _fit_local_adaalter(rank, world, EPOCHS)
+    plain = plain_ddp_local_adaalter(rank, world, EPOCHS * STEPS_PER_EPOCH, sparse)
+    whole = _fit_local_adaalter(rank, world, EPOCHS, sparse)
     path = os.path.join(folder, "half.ckpt")
-    _fit_local_adaalter(rank, world, 1, save_to=path)  # after step 4: mid-round, the ranks differ
-    resumed = _fit_local_adaalter(rank, world, EPOCHS, resume_from=path)
+    _fit_local_adaalter(rank, world, 1, sparse, save_to=path)  # after step 4: mid-round, the ranks differ
+    resumed = _fit_local_adaalter(rank, world, EPOCHS, sparse, resume_from=path)
     return plain, whole, resumed
 
 
-def test_local_adaalter_trains_as_plain_ddp_and_each_rank_resumes_its_own_state(tmp_path):
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_local_adaalter_trains_as_plain_ddp_and_each_rank_resumes_its_own_state(tmp_path, sparse):
     (plain0, whole0, resumed0), (plain1, whole1, resumed1) = run_distributed(
-        _local_adaalter_against_plain, 2, str(tmp_path), timeout=300)
+        _local_adaalter_against_plain, 2, str(tmp_path), sparse, timeout=300)
     assert not torch.equal(whole0, whole1)  # the run ends mid-round (step 8): the ranks differ
     assert torch.equal(whole0, plain0) and torch.equal(whole1, plain1)
     assert torch.equal(resumed0, whole0) and torch.equal(resumed1, whole1)

@@ -58,6 +58,9 @@ if _has_local_sgd():
     COMBOS["local_sgd-local_adaalter"] = ["--hook", "local_sgd", "--optimizer", "local_adaalter",
                                           "--period", "3", "--warmup-steps", "2", "--lr", "0.1",
                                           "--lazy-correction", "rate", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+    COMBOS["local_adaalter-sparse-sync"] = ["--hook", "local_sgd", "--optimizer", "local_adaalter", "--period", "3",
+                                            "--warmup-steps", "2", "--lr", "0.1", "--sync", "shared_topk",
+                                            "--sync-density", "0.1", "--compress-accumulators"]
 
 
 def write_cifar_folder(root: str, per_batch: int, seed: int = 0) -> dict:
