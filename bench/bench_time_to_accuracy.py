@@ -45,7 +45,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "recipes"))
 
-from tta_language import lm_report, lm_step_time_plan  # noqa: E402
+from tta_language import LM_SPARSE_CURVES, lm_report, lm_step_time_plan  # noqa: E402
 from tta_plan import BANDWIDTHS, curve_methods, step_time_plan  # noqa: E402
 from tta_report import plot, read_curves, report, target_of  # noqa: E402
 from tta_training import steps_per_epoch, train_curve  # noqa: E402
@@ -127,6 +127,10 @@ def write_report(args) -> None:
     if os.path.exists(args.results + "-lm-step-times.jsonl"):
         text += "\n" + "\n".join(["### Local AdaAlter against sync AdaGrad: time to a validation perplexity", ""]
                                  + lm_report(args.results + "-lm-step-times.jsonl")) + "\n"
+        if os.path.exists(LM_SPARSE_CURVES):
+            text += "\n" + "\n".join(["### Sparse synchronisation against sync AdaGrad: time to a validation "
+                                       "perplexity", ""]
+                                      + lm_report(args.results + "-lm-step-times.jsonl", LM_SPARSE_CURVES)) + "\n"
     with open(args.results + ".md", "w") as f:
         f.write(text)
     plot(curves, step_times, args.results + ".png")

@@ -223,7 +223,7 @@ def test_language_part_docstring_examples_and_plan():
     (run,) = tta_language.lm_step_time_plan()
     assert run.model == "fortunes-lstm" and run.hosts == 4
     assert [m.label for m in run.methods] == ["noop hook (no exchange)", "sync AdaGrad", "Local AdaAlter H=4",
-                                              "Local AdaAlter H=8", "Local AdaAlter H=8, shared top-k 0.01",
+                                              "Local AdaAlter H=8", "Local AdaAlter H=8, shared top-k 0.05",
                                               "Local AdaAlter H=16, shared top-k 0.01"]
     sparse = run.methods[-1].recipe_args()
     assert (sparse.sync, sparse.sync_density, sparse.compress_accumulators, sparse.period) == \
@@ -249,7 +249,7 @@ def test_language_report_charges_the_warmup_at_sync_adagrads_step_time(tmp_path)
                             (tta_language.LM_RUNS["LAA H=16 rate w0 shared_topk d=0.01"], 0.06))]
     steps.write_text("\n".join(json.dumps(r) for r in records) + "\n" + json.dumps({"run": {"command": "s"}}) + "\n")
     text = "\n".join(tta_language.lm_report(str(steps), str(curves)))
-    assert "Local AdaAlter H=8, shared top-k 0.01 | (not measured)" in text  # no curve: the row says so
+    assert "shared top-k 0.05" not in text  # no curve in this file: no row
     assert "target: sync AdaGrad's final validation perplexity 9.100" in text
     sync_s = 3 * 96 * 0.2  # sync AdaGrad reaches its own final mean at epoch 3
     laa_s = 32 * 0.2 + (3 * 96 - 32) * 0.1  # LAA H=4's mean after epoch 2 is 9.15, above the target: epoch 3
