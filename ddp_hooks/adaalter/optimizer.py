@@ -244,7 +244,9 @@ class LocalAdaAlter(torch.optim.Optimizer):
 
     def _settings(self) -> Dict[str, Any]:
         return {**driver_settings(self.param_groups), **outer_settings(self.averager.outer),
-                **sparse_settings(self.averager.sparse), "accumulator_period": self.accumulator_period,
+                **sparse_settings(self.averager.sparse),
+                # (as a multiple of the period, which is compared on its own: a mismatch names the period alone)
+                "accumulators_every": self.accumulator_period // self.schedule.period,
                 "compress_accumulators": self.compress_accumulators}
 
     def _check_ranks(self) -> None:

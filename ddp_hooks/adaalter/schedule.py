@@ -167,7 +167,7 @@ class LocalAdaAlterSchedule:
 # Settings of the cross-rank check for a schedule without an optimizer (same keys as the optimizer's).
 _NO_DRIVER = {"optimizer": False, "lr": 0.0, "eps": 0.0, "lazy_correction": 0, "param_groups": 0,
               "averaged_numel": 0, "groups_crc32": 0, **outer_settings(None), **sparse_settings(None),
-              "accumulator_period": 0, "compress_accumulators": False}
+              "accumulators_every": 0, "compress_accumulators": False}
 
 
 def driver_settings(param_groups) -> Dict:

@@ -323,12 +323,15 @@ def test_sparse_average_needs_a_process_group():
 def _mismatched(rank, world_size):
     density = 0.1 if rank == 0 else 0.2
     ddp, _, opt = _build(sparse=dict(density=density))
-    with pytest.raises(ValueError, match="ranks were built with different"):
+    with pytest.raises(ValueError, match="ranks were built with different .* sparse_average="):
+        _step(ddp, opt, rank, 0)
+    ddp, _, opt = _build(accumulator_period=3 if rank == 0 else 6)
+    with pytest.raises(ValueError, match="rank 0 has accumulators_every=1 but rank 1 has accumulators_every=2"):
         _step(ddp, opt, rank, 0)
     return True
 
 
-def test_ranks_with_different_sparse_options_are_refused_alike():
+def test_ranks_with_different_sparse_or_accumulator_options_are_refused_alike():
     assert run_distributed(_mismatched, 2, timeout=60) == [True, True]
 
 
