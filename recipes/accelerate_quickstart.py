@@ -26,3 +26,4 @@ for epoch in range(3):
         optimizer.step()
 accelerator.save_state("accelerate-quickstart")  # every rank's hook state with the rest; load_state resumes it
 accelerator.print(f"loss {loss.item():.3f}; hook: {state.stats()}")
+accelerator.end_training()  # ends the process group before the interpreter exits

@@ -1,9 +1,10 @@
-"""tests/torchrun.py: a run that ends in gloo's teardown abort is run once more; any other failure is not."""
+"""tests/torchrun.py: a run that ends in gloo's teardown abort is run again, up to ATTEMPTS runs; any other failure
+is not."""
 
 import os
 import textwrap
 
-from torchrun import TEARDOWN_ABORT, run_under_torchrun
+from torchrun import ATTEMPTS, TEARDOWN_ABORT, run_under_torchrun
 
 SCRIPT = """
 import os, sys
@@ -13,7 +14,7 @@ if os.environ["RANK"] == "0":
         f.write("run\\n")
     open("written-by-the-run", "w").close()
     n = len(open(runs).read().split())
-    if os.environ["MODE"] == "abort-once" and n == 1:
+    if os.environ["MODE"].startswith("abort-") and n <= int(os.environ["MODE"][6:]):
         sys.stderr.write("{abort}\\n"); sys.stderr.flush()
         os.abort()
     if os.environ["MODE"] == "fail":
@@ -36,10 +37,15 @@ def _run(tmp_path, mode):
     return proc, len(runs.read_text().split()), sorted(os.listdir(work))
 
 
-def test_a_teardown_abort_is_run_again_and_the_second_run_decides(tmp_path):
-    proc, runs, left = _run(tmp_path, "abort-once")
-    assert proc.returncode == 0 and "done" in proc.stdout and runs == 2
-    assert left == ["written-by-the-run"]  # the second run's file, in a folder cleared between the runs
+def test_a_teardown_abort_is_run_again_and_the_next_run_decides(tmp_path):
+    proc, runs, left = _run(tmp_path, "abort-2")
+    assert proc.returncode == 0 and "done" in proc.stdout and runs == 3
+    assert left == ["written-by-the-run"]  # the last run's file, in a folder cleared between the runs
+
+
+def test_aborts_in_every_attempt_fail(tmp_path):
+    proc, runs, _ = _run(tmp_path, f"abort-{ATTEMPTS}")
+    assert proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr and runs == ATTEMPTS
 
 
 def test_any_other_failure_fails_at_once(tmp_path):
