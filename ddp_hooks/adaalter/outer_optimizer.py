@@ -28,6 +28,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .anchors import check_anchors, restored_anchors
+
 __all__ = ["OuterOptimizer"]
 
 
@@ -109,18 +111,13 @@ class OuterOptimizer:
             raise ValueError(f"the checkpoint's outer optimizer is {saved[0]} with {saved[1]} and this one "
                              f"{type(self.optimizer).__name__} with {self.settings()}; build it as it was saved "
                              "to resume")
-        anchors = list(state["anchors"])
-        if anchors and (len(anchors) != len(like) or any(a.shape != p.shape for a, p in zip(anchors, like))):
-            raise ValueError("the checkpoint's outer-optimizer anchors do not match the parameters' shapes: "
-                             "it was saved from a different model")
+        check_anchors(list(state["anchors"]), like, "outer-optimizer")
 
     def load_state_dict(self, state: Dict[str, object], like: Sequence[torch.Tensor]) -> None:
         """Restore a :meth:`state_dict`; ``like`` are the parameters (for shapes and devices)."""
         self.check_loadable(state, like)
-        anchors = list(state["anchors"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.anchors = [a.to(device=p.device, dtype=p.dtype).clone() for a, p in zip(anchors, like)] if anchors \
-            else None
+        self.anchors = restored_anchors(list(state["anchors"]), like)
 
     def settings(self) -> Dict[str, object]:
         """The cross-rank checks' view: its class and group 0's numbers in OuterSGD's keys, and a checksum."""

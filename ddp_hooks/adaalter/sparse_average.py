@@ -48,6 +48,7 @@ import torch.distributed as dist
 from .._internal.collectives import world_size_and_rank
 from ..sparsify.compressor import SparseCompressor
 from ..sparsify.options import SparsifyOptions
+from .anchors import check_anchors, restored_anchors
 
 __all__ = ["SparseAverage", "sparse_settings"]
 
@@ -177,10 +178,7 @@ class SparseAverage:
             raise ValueError(f"this sparse-averaging state was saved by rank {state['rank']} of "
                              f"{state['world_size']} and this is rank {rank} of {world}: its error-feedback "
                              "residuals belong to that rank alone; resume on the same ranks, each from its own file")
-        anchors = list(state["anchors"])
-        if anchors and (len(anchors) != len(like) or any(a.shape != p.shape for a, p in zip(anchors, like))):
-            raise ValueError("the checkpoint's sparse-averaging anchors do not match the parameters' shapes: "
-                             "it was saved from a different model")
+        check_anchors(list(state["anchors"]), like, "sparse-averaging")
 
     def load_state_dict(self, state: Dict[str, object], like: Sequence[torch.Tensor], group=None) -> None:
         """Restore what :meth:`state_dict` returned; ``like`` are the parameters (shapes, devices)."""
@@ -188,9 +186,7 @@ class SparseAverage:
         self.exchanges = {stream: int(state["exchanges"][stream]) for stream in _STREAMS}
         for stream, compressor in self.compressors.items():
             compressor.residuals.load({int(k): v.to(like[0].device) for k, v in state["residuals"][stream].items()})
-        anchors = list(state["anchors"])
-        self.anchors = [a.to(device=p.device, dtype=p.dtype).clone() for a, p in zip(anchors, like)] if anchors \
-            else None
+        self.anchors = restored_anchors(list(state["anchors"]), like)
 
 
 def sparse_settings(sparse: Optional[SparseAverage]) -> Dict[str, int]:
