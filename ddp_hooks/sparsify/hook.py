@@ -66,6 +66,7 @@ from .._internal.validation import check_hook_call
 from . import checkpoint
 from .compressor import PendingExchange, host_reads_free, units_of
 from .memory import GLOBAL_BUCKET, Layout, SparseOutput, gather, owners
+from .nodes import NodeShard, agree_in_node
 from .momenta import refresh_momenta, velocity_momentum
 from .selectors.draws import first_draws
 from .state import SparsifyState
@@ -82,12 +83,14 @@ BucketExchange = Tuple[PendingExchange, Optional[tuple], Optional[SparseOutput],
 class StepRun:
     """One backward pass: exchanges selected or sent, buckets waiting for the last, the loss scale, completion."""
 
-    __slots__ = ("started", "sent", "waiting", "scale", "done")
+    __slots__ = ("started", "sent", "waiting", "in_node", "scattered", "scale", "done")
 
     def __init__(self, scale: Optional[torch.Tensor], device: torch.device) -> None:
         self.started: List[BucketExchange] = []  # selected, in bucket order; sent by the hook a bucket later at most
         self.sent: List[BucketExchange] = []  # their collectives launched, in launch order
         self.waiting: list = []  # scope="global": (buffer, layout, starts, marks, decay) of each bucket so far
+        self.in_node: List[NodeShard] = []  # with nodes: each bucket's shard, in bucket order
+        self.scattered = 0  # with nodes: how many of them have arrived and begun their exchange
         self.scale = scale  # the loss scale S as a 0-dim tensor, or None without a grad scaler
         # set once the step is committed; with the device, so that setting it records an event on the stream
         self.done = torch.futures.Future(devices=None if device.type == "cpu" else [device])
@@ -95,7 +98,7 @@ class StepRun:
     @property
     def busy(self) -> bool:
         """True while some exchange (started or sent) or waiting bucket has not been committed."""
-        return bool(self.started or self.sent or self.waiting)
+        return bool(self.started or self.sent or self.waiting or self.in_node)
 
 
 # No `from __future__ import annotations` in this module: DDP's register_comm_hook
@@ -123,27 +126,58 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
     # Parameter keys are assigned at the very first call, warm-up included, so that a resumed run (which
     # starts on DDP's initial buckets) numbers the parameters exactly as the uninterrupted run did.
     layout, starts = state.layouts.of_ddp_bucket(bucket)
-    options, compressor = state.options, state.compressor
+    options, nodes = state.options, state.binding.nodes
     dense = state.step < options.warmup_steps
-    if dense and options.momentum == 0.0 and options.weight_decay == 0.0:
+    if dense and nodes is None and options.momentum == 0.0 and options.weight_decay == 0.0:
         return _allreduce_bucket(state, buffer, last, index)
     gradients = bucket.gradients()  # views of the buffer, one per parameter
-    marks = scan(buffer, gradients, starts)
     decay = _decay(options.weight_decay, bucket.parameters(), layout, buffer)
-    density = options.density_at(state.step)
-    grad, key, result_vector, global_buffers = buffer, index, None, None
+    result = buffer
+    if nodes is None:
+        result_vector = None
+        if options.scope != "global" and not dense:  # where it pays, the average goes to a vector kept at zero
+            result_vector = state.results.for_bucket(index, buffer, gradients, bucket.parameters())
+            result = buffer if result_vector is None else result_vector.tensor
+        _start_exchange(state, run, index, buffer, layout, starts, scan(buffer, gradients, starts), decay,
+                        dense=dense, last=last, result_vector=result_vector)
+    else:  # dense inside the node: this rank's shard of the node's mean, exchanged once it has arrived
+        sharding = state.shardings.of(index, layout, buffer, nodes)
+        state.counters.add(0, 0, buffer.numel() - sharding.numel, (buffer.numel() - sharding.numel) *
+                           buffer.element_size())  # (the compressor counts the shard; dense is the whole bucket)
+        run.in_node.append(NodeShard(index, buffer, sharding, decay, nodes))
+        ready = run.in_node[run.scattered:] if last else run.in_node[run.scattered:-1]  # the last bucket, or
+        for node_shard in ready:  # the one before: its reduce-scatter ran while this bucket's gradient formed
+            shard, sharding = node_shard.arrived(), node_shard.sharding
+            _start_exchange(state, run, node_shard.index, shard, sharding.layout, sharding.starts,
+                            scan(shard, sharding.pieces(shard), sharding.starts), node_shard.decay,
+                            dense=dense, last=last and node_shard is run.in_node[-1], result_vector=None)
+        run.scattered += len(ready)
+    if last:
+        _end_step(state, index, compressed=not dense)
+        _commit_when_arrived(state, run, result)
+    return _after_commit(run, result)
+
+
+def _start_exchange(state: SparsifyState, run: StepRun, key: int, grad: torch.Tensor, layout: Layout,
+                    starts: torch.Tensor, marks: torch.Tensor, decay: Optional[torch.Tensor], *, dense: bool,
+                    last: bool, result_vector: Optional[SparseOutput]) -> None:
+    """Begin one bucket's exchange (or its shard's) and send what has started, in bucket order on every rank.
+
+    With ``scope="global"`` the buckets wait for the last, and go as one.
+    """
+    options, compressor, nodes = state.options, state.compressor, state.binding.nodes
+    global_buffers = None
     if options.scope == "global" and not dense:  # all buckets in one exchange, at the last
-        run.waiting.append((buffer, layout, starts, marks, decay))
+        run.waiting.append((grad, layout, starts, marks, decay))
         if not last:
-            return _after_commit(run, buffer)
+            return
         grad, layout, starts, marks, decay, global_buffers = _join(run)
         key = GLOBAL_BUCKET
-    elif not dense:  # where it pays, the average goes to a vector kept at zero between steps
-        result_vector = state.results.for_bucket(index, buffer, gradients, bucket.parameters())
     momentum = velocity_momentum(options, state.momenta, layout, grad.device)
     pending = compressor.begin(grad, units_of(layout, options.scope, key, grad.numel()), starts, marks, key=key,
-                               layout=layout, group=state.binding.group, step=state.step, density=density,
-                               scale=run.scale, decay=decay, momentum=momentum, everything=dense)
+                               layout=layout, group=state.binding.group if nodes is None else nodes.inter,
+                               step=state.step, density=options.density_at(state.step), scale=run.scale,
+                               decay=decay, momentum=momentum, everything=dense)
     run.started.append((pending, _update_record(state, key, layout, starts, momentum, dense), result_vector,
                         global_buffers))
     # Send what has started, in bucket order on every rank; a selection still waiting for its selector's
@@ -153,11 +187,6 @@ def sparsify_hook(state: SparsifyState, bucket: dist.GradBucket) -> torch.future
         compressor.send(exchange[0])
     run.sent.extend(ready)
     run.started = run.started[len(ready):]
-    result = buffer if result_vector is None else result_vector.tensor
-    if last:
-        _end_step(state, index, compressed=not dense)
-        _commit_when_arrived(state, run, result)
-    return _after_commit(run, result)
 
 
 def _begin_step(state: SparsifyState, device: torch.device) -> StepRun:
@@ -179,6 +208,8 @@ def _end_step(state: SparsifyState, last_index: int, compressed: bool) -> None:
     compressor = state.compressor
     for store in (compressor.residuals, compressor.velocities, state.last_updates, state.results, state.layouts):
         store.drop_buckets_after(last_index)
+    if state.binding.nodes is not None:
+        state.shardings.drop_buckets_after(last_index)
     if state.loaded is not None and state.loaded.keys is not None:  # (after a load only: the steady state skips it)
         checkpoint.check_loaded_keys(state, compressed)
 
@@ -206,19 +237,26 @@ def _commit_when_arrived(state: SparsifyState, run: StepRun, last_result: torch.
     set, and every bucket's future is chained on it.
     """
     exchanges, run.sent = run.sent, []
+    in_node, run.in_node = run.in_node, []
     try:
-        _commit(state, exchanges, run.scale)
+        _commit(state, exchanges, run.scale, in_node)
     except Exception as exc:  # a failed collective (a rank died, a timeout) fails every bucket's future
         run.done.set_exception(exc)
         raise
     run.done.set_result(last_result)
 
 
-def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Optional[torch.Tensor]) -> None:
-    """Apply the step's arrived exchanges: the same verdict on every rank (all saw the same data)."""
-    compressor = state.compressor
+def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Optional[torch.Tensor],
+            in_node: Sequence[NodeShard] = ()) -> None:
+    """Apply the step's arrived exchanges: the same verdict on every rank (all saw the same data).
+
+    With nodes, the exchanges hold this rank's shards, gathered into the buckets at the end.
+    """
+    compressor, nodes = state.compressor, state.binding.nodes
     arrived = [compressor.unpack(pending) for pending, *_ in exchanges]
     discard = torch.stack([bad for bad, _ in arrived]).any()
+    if nodes is not None:  # a non-finite gradient reaches the ranks of one shard: the node agrees
+        discard = agree_in_node(discard, nodes)
     state.nonfinite.add(discard)
     inv_scale = None if scale is None else scale.reciprocal()
     # The last update is remembered only from steps the optimizer takes: the verdict read on the host where
@@ -241,6 +279,10 @@ def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Op
         if global_buffers is not None:
             for buffer, chunk in zip(global_buffers, pending.grad.split([b.numel() for b in global_buffers])):
                 buffer.copy_(chunk)
+    for node_shard in in_node:
+        node_shard.start_gather(nodes)
+    for node_shard in in_node:
+        node_shard.spread()
 
 
 def _allreduce_bucket(state: SparsifyState, buffer: torch.Tensor, last: bool, index: int) -> torch.futures.Future:

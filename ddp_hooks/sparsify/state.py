@@ -18,6 +18,7 @@ from ..stats import CommStats
 from . import checkpoint
 from .compressor import SparseCompressor
 from .memory import BucketLayouts, LastUpdates, Layout, NonfiniteSteps, ResidualStore, SparseOutputs
+from .nodes import NodeSpec, Shardings, check_node_spec, node_groups, node_ranks
 from .momenta import OptimizerMomenta, refresh_momenta, velocity_momentum, velocity_runs, watch_first_step
 from .options import OPTION_NAMES, SparsifyOptions
 
@@ -32,6 +33,7 @@ class Binding(NamedTuple):
     group: Any
     rank: int
     world_size: int
+    nodes: Optional[Nodes] = None  # with SparsifyState(nodes=...): the node's and the cross-node group
 
 
 class SparsifyState:
@@ -56,6 +58,13 @@ class SparsifyState:
         error_feedback_beta (float): a low-pass filter on the residual, in (0, 1] (1: none).
         value_dtype (str): the dtype values travel in: ``None`` (the gradient's), ``"float16"``,
             ``"bfloat16"``, ``"float32"``; the rounding stays in the residual.
+        nodes: ``None`` (default): every rank exchanges sparsely with every
+            other. Else the ranks form nodes, dense inside a node and sparse
+            between nodes (:mod:`~ddp_hooks.sparsify.nodes`): ``"local"``
+            (``LOCAL_WORLD_SIZE`` consecutive ranks per node, as torchrun
+            starts them), an int (ranks per node), or the ranks of each
+            node. Each rank then sends and keeps residuals for ``1 / L`` of
+            the gradient (``L`` ranks per node).
         grad_scaler (torch.amp.GradScaler): the scaler of an AMP run, or
             ``None``. Gradients reach the hook multiplied by the loss scale
             ``S``, which the scaler changes between steps; with the scaler
@@ -98,7 +107,7 @@ class SparsifyState:
         # kept across steps and checkpoints; `step` advances once per backward, on the last bucket
         "step", "compressor", "last_updates", "momenta", "counters", "nonfinite",
         # bound at the first hook call; the layouts of the buckets met; a loaded checkpoint's rank and keys
-        "binding", "layouts", "loaded",
+        "nodes", "binding", "layouts", "loaded", "shardings",
         # one backward pass (None between them), and the result vectors
         "run", "results",
         # the optimizer check installed at the first hook call holds only a weak reference
@@ -123,8 +132,10 @@ class SparsifyState:
         density_warmup_steps: Optional[int] = None,
         error_feedback_beta: float = 1.0,
         value_dtype: Optional[Union[str, torch.dtype]] = None,
+        nodes: NodeSpec = None,
     ) -> None:
         check_process_group("process_group", process_group)
+        self.nodes = check_node_spec(nodes)
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"`grad_scaler` must be None or a torch.amp.GradScaler, got {type(grad_scaler).__name__}; "
                             "the hook reads the loss scale from it to keep the residuals unscaled")
@@ -149,6 +160,7 @@ class SparsifyState:
         self.loaded: Optional[checkpoint.Loaded] = None
         self.run = None  # the hook's StepRun during a backward pass
         self.results = SparseOutputs()  # per bucket, the result vector kept at zero (CPU, float32)
+        self.shardings = Shardings()  # with nodes: how each bucket is cut into shards
 
     # ----- what the compressor keeps -----
     @property
@@ -191,7 +203,10 @@ class SparsifyState:
 
     # ----- per parameter -----
     def residual_for(self, param: torch.Tensor) -> torch.Tensor:
-        """A copy of this rank's error-feedback residual of ``param``, shaped like it (zeros if it has none)."""
+        """A copy of this rank's error-feedback residual of ``param``, shaped like it (zeros if it has none).
+
+        With ``nodes``, this rank's piece of it, flat (:mod:`~ddp_hooks.sparsify.nodes`).
+        """
         return self._state_of(self.residuals, param)
 
     def velocity_for(self, param: torch.Tensor) -> torch.Tensor:
@@ -201,7 +216,9 @@ class SparsifyState:
     def _state_of(self, store: ResidualStore, param: torch.Tensor) -> torch.Tensor:
         key = self.layouts.key_of(param)
         found = None if key is None else store.of_key(key)
-        return torch.zeros(param.shape) if found is None else found.reshape(param.shape)
+        if found is None:
+            return torch.zeros(param.shape)
+        return found.reshape(param.shape) if found.numel() == param.numel() else found  # (with nodes: a piece)
 
     # ----- binding to the process group, at the first hook call -----
     def bind(self, bucket: dist.GradBucket) -> None:
@@ -210,15 +227,20 @@ class SparsifyState:
             return
         device = bucket.buffer().device
         group = check_group_ready(self.process_group, device, "sparsify_hook")
-        self.binding = Binding(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+        world_size = dist.get_world_size(group)
         # one small allgather at the first step: every rank fails alike on a mismatch
-        settings = {**self.options.config_ints(), "grad_scaler": int(self.grad_scaler is not None)}
+        settings = {**self.options.config_ints(), "grad_scaler": int(self.grad_scaler is not None),
+                    "ranks_per_node": 0 if self.nodes is None else len(node_ranks(self.nodes, world_size)[0])}
 
         def describe(s):
-            return f"{self.options.describe(s)}, grad_scaler={'given' if s['grad_scaler'] else 'None'}"
+            nodes = "None (flat)" if not s["ranks_per_node"] else f"{s['ranks_per_node']} ranks per node"
+            return (f"{self.options.describe(s)}, grad_scaler={'given' if s['grad_scaler'] else 'None'}, "
+                    f"nodes={nodes}")
 
-        check_same_on_all_ranks(settings, group, self.binding.world_size, device, "SparsifyState options",
+        check_same_on_all_ranks(settings, group, world_size, device, "SparsifyState options",
                                 "every rank must select and aggregate alike", describe)
+        nodes = None if self.nodes is None else node_groups(self.nodes, group)
+        self.binding = Binding(group=group, rank=dist.get_rank(group), world_size=world_size, nodes=nodes)
         checkpoint.check_loaded_rank(self)
         watch_first_step(self)
         if self.binding.rank == 0:
@@ -258,12 +280,12 @@ class SparsifyState:
     def __getstate__(self):
         """Pickle support, as PyTorch's PowerSGDState: the process group is not serialisable and is dropped."""
         logger.warning("SparsifyState: the process group is not serialisable and is excluded from the pickle")
-        return {"options": self.options.as_kwargs(), "state": self.state_dict()}
+        return {"options": self.options.as_kwargs(), "nodes": self.nodes, "state": self.state_dict()}
 
     def __setstate__(self, blob) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.__init__(process_group=None, **blob["options"])
+            self.__init__(process_group=None, nodes=blob.get("nodes"), **blob["options"])
         self.load_state_dict(blob["state"])
 
 

@@ -40,6 +40,10 @@ CONFIGS = [  # (label, SparsifyState options, optimizer momentum, grad scaler)
     ("random_block, hook's momentum and decay, float16 values",
      dict(method="random_block", momentum=0.9, weight_decay=1e-4, value_dtype="float16"), 0.0, False),
     ("topk, grad scaler", dict(method="topk", aggregation="allgather"), 0.9, True),
+    # dense inside a node of both ranks: reduce-scatter, the node's verdict, all-gather
+    ("random_block, nodes", dict(method="random_block", nodes=2), 0.9, False),
+    ("topk global scope, nodes, grad scaler", dict(method="topk", aggregation="allgather", scope="global", nodes=2),
+     0.9, True),
 ]
 WARM_STEPS, COUNTED_STEPS = 3, 3
 
