@@ -4,6 +4,7 @@ Run (from the repository root)::
 
     sudo python bench/bench_cluster.py --quick     # under 3 minutes
     sudo python bench/bench_cluster.py             # every configuration of issue 6, under 30 minutes
+    sudo python bench/bench_cluster.py --nodes     # 2 nodes of 2 and of 4 hosts: hierarchical against flat
 
 N hosts are network namespaces on a private bridge (``bench/cluster.py``),
 shaped with tc to each bandwidth in turn; one training process per host
@@ -35,7 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -43,11 +44,13 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "recipes"))
 
 from cluster import Cluster, ClusterError, check_prerequisites, exit_on_signals, parse_rate  # noqa: E402
-from cluster_control import ack_path, pending_request, write_atomic  # noqa: E402
+from cluster_control import SAMPLE, ack_path, pending_request, write_atomic  # noqa: E402
 from cluster_hosts import Hosts, start_hosts  # noqa: E402
-from cluster_plan import BANDWIDTHS, Run, full_plan, headline_plan, quick_plan, repeat, shared_topk_plan  # noqa: E402
+from cluster_plan import BANDWIDTHS, Run, full_plan, headline_plan, nodes_plan, quick_plan, repeat  # noqa: E402
+from cluster_plan import shared_topk_plan  # noqa: E402
 from cluster_plan import summary_methods  # noqa: E402
 from cluster_report import bandwidth_key, format_report, method_name, read_results  # noqa: E402
+from nodes_report import format_nodes_report  # noqa: E402
 from run_metrics import format_bytes  # noqa: E402
 
 PORT = 29500  # inside host 0's namespace: nothing else listens there
@@ -74,7 +77,7 @@ class _Progress:
 def run_host_count(cluster: Cluster, hosts: int, runs: List[Run], args, port: int) -> None:
     """Start one worker per host for ``runs`` and answer their bandwidth requests until they finish."""
     folder = tempfile.mkdtemp(prefix="ddphb-ctl-")
-    plan = {"runs": [{"model": r.model, "bandwidths": list(r.bandwidths), "round": r.round,
+    plan = {"runs": [{"model": r.model, "bandwidths": list(r.bandwidths), "round": r.round, "nodes": r.nodes,
                       "methods": [m.as_dict() for m in r.methods]} for r in runs],
             "steps": args.steps, "min_window_s": args.min_window, "batch": args.batch, "image_size": args.image_size,
             "timeout": args.timeout, "out": os.path.abspath(args.out)}
@@ -96,6 +99,10 @@ def _serve(cluster: Cluster, processes: Hosts, folder: str, progress: "_Progress
     seq, next_poll = 0, 0.0
     while True:
         rate = pending_request(folder, seq)
+        if rate == SAMPLE:  # with nodes: what each node has sent to the others
+            write_atomic(ack_path(folder, seq), json.dumps(cluster.uplink_bytes() if cluster.nodes > 1 else None))
+            seq += 1
+            continue
         if rate is not None:
             cluster.set_rate(rate)
             write_atomic(ack_path(folder, seq), "")
@@ -112,9 +119,11 @@ def _serve(cluster: Cluster, processes: Hosts, folder: str, progress: "_Progress
 
 
 # ----- command line -----
-def build_plan(args) -> Dict[int, List[Run]]:
-    """The runs to measure, by host count (one launch of the hosts' processes each)."""
-    if args.quick:
+def build_plan(args) -> Dict[Tuple[int, int], List[Run]]:
+    """The runs to measure, by (hosts, nodes) (one cluster and one launch of the hosts' processes each)."""
+    if args.nodes:
+        runs = nodes_plan()
+    elif args.quick:
         runs = quick_plan()
     elif args.headline:
         runs = headline_plan()
@@ -123,9 +132,9 @@ def build_plan(args) -> Dict[int, List[Run]]:
     else:
         runs = full_plan(args.hosts, args.models, args.bandwidths, summary_methods() if args.summary_methods else None)
     runs = repeat(runs, args.rounds)
-    plan: Dict[int, List[Run]] = {}
+    plan: Dict[Tuple[int, int], List[Run]] = {}
     for run in runs:
-        plan.setdefault(run.hosts, []).append(run)
+        plan.setdefault((run.hosts, run.nodes), []).append(run)
     return dict(sorted(plan.items()))
 
 
@@ -140,6 +149,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--shared-topk", action="store_true",
                    help="shared top-k against top-k, random-block and the allreduce hook: resnet20 and resnet18 "
                         "on 4 hosts at 1gbit and 100mbit")
+    p.add_argument("--nodes", action="store_true",
+                   help="dense inside nodes, sparse between them: resnet18 on 2 nodes of 2 hosts (100, 10 and 5 "
+                        "mbit between nodes) and of 4 hosts (1gbit), against the flat exchange")
     p.add_argument("--summary-methods", action="store_true",
                    help="with --hosts/--models/--bandwidths: one method of each kind (cluster_plan."
                         "summary_methods) instead of every configuration; e.g. for 8 hosts, where each row "
@@ -167,9 +179,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="print the tables of an earlier results file and exit (needs no root)")
     args = p.parse_args(argv)
     chosen = [name for name in ("hosts", "models", "bandwidths") if getattr(args, name) is not None]
-    if args.quick + args.headline + args.shared_topk > 1:
-        p.error("choose one of --quick, --headline and --shared-topk")
-    for name in ("quick", "headline", "shared_topk"):
+    if args.quick + args.headline + args.shared_topk + args.nodes > 1:
+        p.error("choose one of --quick, --headline, --shared-topk and --nodes")
+    for name in ("quick", "headline", "shared_topk", "nodes"):
         if getattr(args, name) and (chosen or args.summary_methods):
             chosen = chosen + ["summary-methods"] * args.summary_methods
             p.error(f"--{name.replace('_', '-')} has its own plan; it does not take --{', --'.join(chosen)}")
@@ -191,14 +203,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.bandwidths = sorted(set(args.bandwidths), key=bandwidth_key, reverse=True)
     if args.out is None:
         name = ("cluster-quick" if args.quick else "cluster-headline" if args.headline
-                else "cluster-shared-topk" if args.shared_topk else "cluster")
+                else "cluster-shared-topk" if args.shared_topk else "cluster-nodes" if args.nodes else "cluster")
         args.out = os.path.join(REPO, "bench", "results", name + ".jsonl")
     return args
 
 
 def main(args) -> None:
     if args.report is not None:
-        print(format_report(*read_results(args.report)))
+        records, run = read_results(args.report)
+        print((format_nodes_report if any(r.get("nodes", 1) > 1 for r in records) else format_report)(records, run))
         return
     try:
         check_prerequisites()
@@ -210,9 +223,10 @@ def main(args) -> None:
     exit_on_signals()
     start = time.perf_counter()
     try:
-        with Cluster(max(plan)) as cluster:
-            for i, (hosts, runs) in enumerate(plan.items()):
-                print(f"{hosts} hosts: {', '.join(r.model for r in runs)}", flush=True)
+        for i, ((hosts, nodes), runs) in enumerate(plan.items()):
+            with Cluster(hosts, nodes=nodes) as cluster:
+                print(f"{hosts} hosts{f' in {nodes} nodes' if nodes > 1 else ''}: "
+                      f"{', '.join(r.model for r in runs)}", flush=True)
                 run_host_count(cluster, hosts, runs, args, PORT + i)
     except (KeyboardInterrupt, SystemExit):
         print(f"bench_cluster: interrupted; the cluster was torn down; partial results in {args.out}",
@@ -223,7 +237,7 @@ def main(args) -> None:
            "image_size": args.image_size, "steps": args.steps, "min_window_s": args.min_window, "rounds": args.rounds}
     with open(args.out, "a") as f:
         f.write(json.dumps({"run": run}) + "\n")
-    report = format_report(*read_results(args.out))
+    report = (format_nodes_report if args.nodes else format_report)(*read_results(args.out))
     md = os.path.splitext(args.out)[0] + ".md"
     with open(md, "w") as f:
         f.write(report)

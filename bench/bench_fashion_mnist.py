@@ -8,6 +8,7 @@ Run (each part is one command; ``--part`` picks the table)::
     python bench/bench_fashion_mnist.py --part block-sizes
     python bench/bench_fashion_mnist.py --part workers                        # random-block, 2 and 4 ranks
     python bench/bench_fashion_mnist.py --part shared-topk --seeds 3          # 2 and 4 ranks (issue 18)
+    python bench/bench_fashion_mnist.py --part nodes --world 4 --seeds 3 --train 24000  # nodes of 2 against flat
     python bench/bench_fashion_mnist.py --part shared-topk-ablations --seeds 3  # low-pass filter, momentum
     python bench/bench_fashion_mnist.py --part adamw --optimizer adamw --schedule cosine  # AdamW, 3 seeds
     python bench/bench_fashion_mnist.py --quick                               # a smoke run: 1 seed, 1 epoch
@@ -250,6 +251,16 @@ def workers(densities=(0.05, 0.01)):
     return runs
 
 
+def nodes(densities=(0.01,), methods=("random_block", "shared_topk")):
+    """Dense inside nodes of 2 ranks and sparse between them, against the flat exchange; run at --world 4."""
+    runs = [run_config("dense", hook="dense")]
+    for d in densities:
+        for method in methods:
+            runs.append(run_config(f"{method} flat d={d:g}", hook="sparsify", method=method, density=d))
+            runs.append(run_config(f"{method} nodes=2 d={d:g}", hook="sparsify", method=method, density=d, nodes=2))
+    return runs
+
+
 def matrix(results):
     """A markdown table: one row per configuration, one column per density; cells are mean ±half-range
     (gap to dense in points)."""
@@ -339,7 +350,7 @@ def adamw(densities=(0.05, 0.01)):
 
 
 PARTS = {"headline": headline, "ablations": ablations, "block-sizes": block_sizes, "workers": workers,
-         "shared-topk": shared_topk, "shared-topk-ablations": shared_topk_ablations,
+         "shared-topk": shared_topk, "shared-topk-ablations": shared_topk_ablations, "nodes": nodes,
          "adamw": adamw}
 
 

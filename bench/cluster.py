@@ -16,6 +16,14 @@ For ``N`` hosts, owned by the process ``P`` that builds them::
   both ends of every veth, so a host sends at most ``rate`` and receives at
   most ``rate``, like a full-duplex network card; ``None`` removes the filters
   (the veths' own speed, CPU-bound).
+* Nodes (``Cluster(hosts, nodes=M)``): the hosts form ``M`` nodes of
+  consecutive hosts. Each node has a bridge of its own (``ddhPn<g>b``),
+  unshaped, and one uplink, a veth pair from it (``ddhPu<g>``) to the cluster
+  bridge (``ddhPw<g>``). :meth:`Cluster.set_rate` then shapes both ends of
+  each uplink instead of the hosts: traffic inside a node is unshaped, and
+  the hosts of a node share its ``rate`` to the other nodes each way, as
+  GPUs share a node's network card. :meth:`Cluster.uplink_bytes` counts what
+  each node sent to the others.
 * Teardown (:meth:`Cluster.close`, idempotent): stop the processes started with
   :meth:`Cluster.popen` (SIGTERM, then SIGKILL), kill whatever else still runs
   inside the namespaces, delete the namespaces (their veths go with them) and
@@ -60,7 +68,7 @@ MAX_HOSTS = 200
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}  # tc's units are powers of 1000
 _NS_NAME = re.compile(r"^ddphb-(\d+)-(\d+)$")
-_LINK_NAME = re.compile(r"^ddh(\d+)(?:b|v\d+)$")
+_LINK_NAME = re.compile(r"^ddh(\d+)(?:b|v\d+|n\d+b|u\d+|w\d+)$")
 
 
 class ClusterError(RuntimeError):
@@ -135,6 +143,15 @@ def bridge_name(pid: int) -> str:
 
 def veth_name(pid: int, host: int) -> str:
     return f"{LINK_PREFIX}{pid}v{host}"
+
+
+def node_bridge_name(pid: int, node: int) -> str:
+    return f"{LINK_PREFIX}{pid}n{node}b"
+
+
+def uplink_names(pid: int, node: int) -> tuple:
+    """A node's uplink: its end in the node's bridge, and its end in the cluster bridge."""
+    return f"{LINK_PREFIX}{pid}u{node}", f"{LINK_PREFIX}{pid}w{node}"
 
 
 def owner_pid(name: str) -> Optional[int]:
@@ -249,11 +266,15 @@ class Cluster:
         pid (int): the owner's pid used in the names (default: this process).
     """
 
-    def __init__(self, hosts: int, run: Runner = _run, pid: Optional[int] = None):
+    def __init__(self, hosts: int, run: Runner = _run, pid: Optional[int] = None, nodes: int = 1):
         if not isinstance(hosts, int) or isinstance(hosts, bool) or not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"`hosts` must be an int in [1, {MAX_HOSTS}], got {hosts!r}; "
                              f"host i has the address {SUBNET}.(10 + i)")
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1 or hosts % nodes:
+            raise ValueError(f"`nodes` must be an int >= 1 that divides `hosts`={hosts}, got {nodes!r}; "
+                             "each node holds the same number of consecutive hosts")
         self.hosts = hosts
+        self.nodes = nodes
         self.pid = os.getpid() if pid is None else pid
         self.rate: Optional[str] = None
         self._run = run
@@ -271,6 +292,9 @@ class Cluster:
     @property
     def bridge(self) -> str:
         return bridge_name(self.pid)
+
+    def node_of(self, host: int) -> int:
+        return host // (self.hosts // self.nodes)
 
     # ----- building -----
     def open(self) -> "Cluster":
@@ -293,6 +317,19 @@ class Cluster:
         run(["ip", "link", "add", bridge, "type", "bridge"])
         self._made.append(("link", bridge))
         run(["ip", "link", "set", bridge, "up"])
+        node_bridges = [bridge] * self.nodes
+        if self.nodes > 1:  # a bridge per node, joined to the cluster bridge by its uplink
+            for node in range(self.nodes):
+                node_bridges[node] = node_bridge_name(self.pid, node)
+                inner, outer = uplink_names(self.pid, node)
+                run(["ip", "link", "add", node_bridges[node], "type", "bridge"])
+                self._made.append(("link", node_bridges[node]))
+                run(["ip", "link", "set", node_bridges[node], "up"])
+                run(["ip", "link", "add", inner, "type", "veth", "peer", "name", outer])
+                self._made.append(("link", inner))
+                for end, master in ((inner, node_bridges[node]), (outer, bridge)):
+                    run(["ip", "link", "set", end, "master", master])
+                    run(["ip", "link", "set", end, "up"])
         for host in range(self.hosts):
             ns, outer = self.namespace(host), veth_name(self.pid, host)
             run(["ip", "netns", "add", ns])
@@ -300,7 +337,7 @@ class Cluster:
             run(["ip", "link", "add", outer, "type", "veth", "peer", "name", IFNAME, "netns", ns])
             # deleting this end deletes the pair at once; a deleted namespace frees its end only later
             self._made.append(("link", outer))
-            run(["ip", "link", "set", outer, "master", bridge])
+            run(["ip", "link", "set", outer, "master", node_bridges[self.node_of(host)]])
             run(["ip", "link", "set", outer, "up"])
             run(["ip", "-n", ns, "link", "set", "lo", "up"])
             run(["ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", IFNAME])
@@ -314,19 +351,35 @@ class Cluster:
 
     # ----- bandwidth -----
     def set_rate(self, rate: Optional[str]) -> None:
-        """Shape every host to ``rate`` each way (e.g. ``"100mbit"``), or unshape with ``None``/``"unshaped"``."""
+        """Shape every host (with nodes: every node's uplink) to ``rate`` each way (e.g. ``"100mbit"``), or
+        unshape with ``None``/``"unshaped"``."""
         bits = parse_rate(rate)
         if not self._open:
             raise ClusterError("set_rate() needs an open cluster")
-        for host in range(self.hosts):
-            ns, outer = self.namespace(host), veth_name(self.pid, host)
-            for prefix, dev in ((["tc"], outer), (["tc", "-n", ns], IFNAME)):
-                if bits is None:
-                    if self.rate is not None:
-                        self._run(prefix + ["qdisc", "del", "dev", dev, "root"])
-                else:
-                    self._run(prefix + ["qdisc", "replace", "dev", dev, "root"] + tbf_args(rate))
+        if self.nodes > 1:
+            ends = [(["tc"], end) for node in range(self.nodes) for end in uplink_names(self.pid, node)]
+        else:
+            ends = [(prefix, dev) for host in range(self.hosts)
+                    for prefix, dev in ((["tc"], veth_name(self.pid, host)), (["tc", "-n", self.namespace(host)],
+                                                                               IFNAME))]
+        for prefix, dev in ends:
+            if bits is None:
+                if self.rate is not None:
+                    self._run(prefix + ["qdisc", "del", "dev", dev, "root"])
+            else:
+                self._run(prefix + ["qdisc", "replace", "dev", dev, "root"] + tbf_args(rate))
         self.rate = None if bits is None else rate
+
+    def uplink_bytes(self) -> List[int]:
+        """Per node, the bytes it has sent to the other nodes (its uplink's counter); needs ``nodes`` > 1."""
+        if self.nodes == 1:
+            raise ClusterError("uplink_bytes() needs a cluster of several nodes")
+        counts = []
+        for node in range(self.nodes):
+            path = f"/sys/class/net/{uplink_names(self.pid, node)[0]}/statistics/tx_bytes"
+            with open(path) as f:
+                counts.append(int(f.read()))
+        return counts
 
     # ----- processes -----
     def popen(self, host: int, argv: Sequence[str], env: Optional[Dict[str, str]] = None, **kwargs) -> subprocess.Popen:

@@ -55,6 +55,7 @@ class Method:
     sync: str = "dense"
     sync_density: float = 0.01
     compress_accumulators: bool = False
+    ranks_per_node: int = 0  # sparsifiers: dense inside nodes of this many ranks, sparse between (0: flat)
 
     @property
     def hook_warmup(self) -> int:
@@ -95,7 +96,7 @@ class Method:
             # step times in the steady state: no density warm-up inside the timed windows
             block_size=SparsifyOptions.block_size, density_warmup_steps=0,  # random-block: the default blocks
             value_dtype=self.value_dtype, sync=self.sync, sync_density=self.sync_density, accumulator_period=0,
-            compress_accumulators=self.compress_accumulators)
+            compress_accumulators=self.compress_accumulators, nodes=self.ranks_per_node or None)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +111,7 @@ class Run:
     methods: List[Method] = field(default_factory=list)
     bandwidths: Sequence[str] = BANDWIDTHS
     round: int = 0  # which repetition of the plan (--rounds)
+    nodes: int = 1  # the cluster's nodes: hosts of a node share an unshaped bridge, shaped links between nodes
 
 
 def sparsifier(method: str, density: float, scope: str, aggregation: str) -> Method:
@@ -198,6 +200,26 @@ def quick_plan() -> List[Run]:
              SYNC_ADAGRAD, ADAALTER[4]]
     shaped = ("1gbit", "100mbit")
     return [Run(2, "resnet20", small, shaped), Run(4, "resnet20", small, shaped)] + headline_plan()
+
+
+def in_nodes(method: Method, ranks_per_node: int) -> Method:
+    """``method`` dense inside nodes of ``ranks_per_node`` hosts and sparse between them."""
+    return replace(method, label=f"{method.label}, nodes of {ranks_per_node}", ranks_per_node=ranks_per_node)
+
+
+def nodes_plan() -> List[Run]:
+    """Dense inside nodes, sparse between: ResNet-18 on 2 nodes of 2 hosts against the flat exchange and
+    PyTorch's hooks at 100 Mbit/s between nodes, the sparsifiers alone at 10 and 5 Mbit/s (where the flat
+    exchange's time dominates the step), and on 2 nodes of 4 hosts at 1 Gbit/s (bytes on the slow link)."""
+    flat_block = sparsifier("random_block", 0.01, "layer", "allreduce")
+    flat_shared = sparsifier("shared_topk", 0.01, "layer", "allreduce")
+
+    def sparse(ranks_per_node):
+        return [flat_block, in_nodes(flat_block, ranks_per_node), flat_shared, in_nodes(flat_shared, ranks_per_node)]
+
+    return [Run(4, "resnet18", [ALLREDUCE, NOOP, POWERSGD[4]] + sparse(2), ("100mbit",), nodes=2),
+            Run(4, "resnet18", sparse(2), ("10mbit", "5mbit"), nodes=2),
+            Run(8, "resnet18", sparse(4), ("1gbit",), nodes=2)]
 
 
 def shared_topk_plan() -> List[Run]:

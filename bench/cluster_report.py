@@ -47,7 +47,8 @@ def read_results(path: str) -> Tuple[List[dict], Optional[dict]]:
 
 
 _MEDIAN_FIELDS = ("s_per_step", "s_per_step_max_rank", "payload_bytes_per_step", "wire_bytes_per_step",
-                  "dense_bytes_per_step", "forward_s", "backward_s", "exchange_s", "compression_s", "optimizer_s")
+                  "dense_bytes_per_step", "forward_s", "backward_s", "exchange_s", "compression_s", "optimizer_s",
+                  "slow_link_bytes_per_step")
 _METHOD_FIELDS = tuple(Method.__dataclass_fields__)
 
 
@@ -56,13 +57,14 @@ def merge_rounds(records: Sequence[dict]) -> List[dict]:
     with ``rounds`` and ``s_per_step_rounds`` (every round's s/step) added."""
     groups: "OrderedDict[tuple, List[dict]]" = OrderedDict()
     for r in records:
-        key = (r["model"], r["hosts"], r["bandwidth"]) + tuple(r.get(f) for f in _METHOD_FIELDS)
+        key = (r["model"], r["hosts"], r.get("nodes", 1), r["bandwidth"]) + tuple(r.get(f) for f in _METHOD_FIELDS)
         groups.setdefault(key, []).append(r)
     merged = []
     for rows in groups.values():
         out = dict(rows[0])
         for name in _MEDIAN_FIELDS:
-            out[name] = statistics.median(r[name] for r in rows)
+            if name in out:  # (slow_link_bytes_per_step: with nodes only)
+                out[name] = statistics.median(r[name] for r in rows)
         out["rounds"], out["s_per_step_rounds"] = len(rows), [r["s_per_step"] for r in rows]
         merged.append(out)
     return merged

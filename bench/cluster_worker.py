@@ -148,14 +148,16 @@ class MethodBench:
         return {"forward": t1 - t0, "backward": last_hook - t1 - compression, "compression": compression,
                 "exchange": t2 - last_hook + averaging, "optimizer": t3 - t2 - averaging}
 
-    def window(self, steps: int, multiple: int, min_seconds: float) -> dict:
+    def window(self, steps: int, multiple: int, min_seconds: float, uplinks=None) -> dict:
         """Time a window of steps between barriers; this rank's sums, bytes and per-step times.
 
         The window has at least ``steps`` steps and lasts about ``min_seconds``
         or more: after its first step the ranks agree (one-float MAX allreduce)
         on ``max(steps, min_seconds / first step)`` steps, rounded up to a
-        multiple of ``multiple`` (Local AdaAlter: whole periods).
+        multiple of ``multiple`` (Local AdaAlter: whole periods). ``uplinks``
+        (with nodes): reads the bytes each node has sent to the others.
         """
+        before = None if uplinks is None else uplinks()
         dist.barrier()
         tx0, sent0, dense0 = _tx_bytes(self.ifname), self.exchange.bytes_sent, self.exchange.bytes_dense
         sums: Dict[str, float] = defaultdict(float)
@@ -174,7 +176,8 @@ class MethodBench:
                 total = multiple * math.ceil(wanted / multiple)
         seconds = time.perf_counter() - start
         dist.barrier()  # every rank's traffic of the window has been sent
-        return {"seconds": seconds, "steps": total, "step_times": step_times, "tx": _tx_bytes(self.ifname) - tx0,
+        slow = None if uplinks is None else sum(b - a for a, b in zip(before, uplinks()))
+        return {"seconds": seconds, "slow_link": slow, "steps": total, "step_times": step_times, "tx": _tx_bytes(self.ifname) - tx0,
                 "sent": self.exchange.bytes_sent - sent0, "dense": self.exchange.bytes_dense - dense0, **sums}
 
 
@@ -190,6 +193,8 @@ def combine(per_rank: List[dict]) -> dict:
            "step_times_rank0": per_rank[0]["step_times"],
            "payload_bytes_per_step": mean("sent"), "wire_bytes_per_step": mean("tx"),
            "dense_bytes_per_step": mean("dense")}
+    if per_rank[0].get("slow_link") is not None:  # the bytes between nodes, per host (every rank read the same)
+        out["slow_link_bytes_per_step"] = per_rank[0]["slow_link"] / n / steps
     out.update({f"{name}_s": mean(name) for name in PHASES})
     return out
 
@@ -213,11 +218,13 @@ def run_plan(control_dir: str) -> None:
                 bench.step()
             for bandwidth in run["bandwidths"]:
                 control.switch(bandwidth)
-                mine = bench.window(plan["steps"], method.step_multiple, plan["min_window_s"])
+                mine = bench.window(plan["steps"], method.step_multiple, plan["min_window_s"],
+                                    control.sample if run.get("nodes", 1) > 1 else None)
                 gathered: List[dict] = [None] * world  # type: ignore[list-item]
                 dist.all_gather_object(gathered, mine)
                 if rank == 0:
-                    record = {"model": run["model"], "hosts": world, "bandwidth": bandwidth, "round": run["round"],
+                    record = {"model": run["model"], "hosts": world, "nodes": run.get("nodes", 1),
+                              "bandwidth": bandwidth, "round": run["round"],
                               **method.as_dict(),
                               "params": sum(p.numel() for p in bench.ddp.parameters()), "batch": plan["batch"],
                               "image_size": plan["image_size"], **combine(gathered)}

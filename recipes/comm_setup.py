@@ -242,6 +242,7 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad
             aggregation=args.aggregation, error_feedback=not args.no_error_feedback,
             warmup_steps=warmup, seed=args.hook_seed, grad_scaler=grad_scaler, block_size=args.block_size,
             density_warmup_steps=args.density_warmup_steps, value_dtype=args.value_dtype,
+            nodes=getattr(args, "nodes", None),
         )
         return Exchange("sparsify", state, sparsify_hook, sent_counter=lambda s: s.stats()["bytes_sent"])
     if args.hook == "local_sgd":

@@ -65,6 +65,7 @@ _OWNED_OPTIONS = {
     "block_size": ("hook", "sparsify", 4),
     "density_warmup_steps": ("hook", "sparsify", None),  # None: the hook's default (1000)
     "value_dtype": ("hook", "sparsify", None),  # None: the gradient's dtype
+    "nodes": ("hook", "sparsify", None),  # None: flat, every rank with every other
     "powersgd_rank": ("hook", "powersgd", 1),
     "period": ("optimizer", "local_adaalter", 8),
     "lazy_correction": ("optimizer", "local_adaalter", None),  # None: the optimizer's default
@@ -90,6 +91,15 @@ class _OncePerJobParser(argparse.ArgumentParser):
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"{self.prog}: error: {message} (flags: {self.prog} --help)\n")
         sys.exit(2)
+
+
+def _nodes_flag(text: str):
+    """``--nodes``: ``local`` or a positive number of ranks per node."""
+    if text == "local":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'local' or a positive number of ranks per node, got {text!r}")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--value-dtype", choices=("float16", "bfloat16", "float32"), default=None,
                    help="sparsify: dtype the sent values travel in; the rounding stays in the residual "
                         "(default: the gradient's)")
+    g.add_argument("--nodes", type=_nodes_flag, default=None,
+                   help="sparsify: dense inside nodes, sparse between them: 'local' (LOCAL_WORLD_SIZE ranks per "
+                        "node, as torchrun starts them) or the ranks per node (default: flat)")
     g.add_argument("--scope", choices=("layer", "bucket", "global"), default=None,
                    help="sparsify: unit that gets its own budget (default: layer)")
     g.add_argument("--aggregation", choices=("allreduce", "allgather"), default=None,

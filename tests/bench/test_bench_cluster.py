@@ -166,6 +166,31 @@ def test_failed_build_removes_what_it_made(as_root):
     assert fake.calls == []
 
 
+def test_nodes_have_bridges_of_their_own_and_only_their_uplinks_are_shaped(as_root):
+    fake = FakeIproute()
+    with Cluster(4, run=fake, pid=3, nodes=2) as c:
+        built = fake.changes()
+        for node, hosts in ((0, (0, 1)), (1, (2, 3))):
+            assert ["ip", "link", "add", f"ddh3n{node}b", "type", "bridge"] in built
+            assert ["ip", "link", "add", f"ddh3u{node}", "type", "veth", "peer", "name", f"ddh3w{node}"] in built
+            assert ["ip", "link", "set", f"ddh3u{node}", "master", f"ddh3n{node}b"] in built
+            assert ["ip", "link", "set", f"ddh3w{node}", "master", "ddh3b"] in built
+            for host in hosts:
+                assert ["ip", "link", "set", f"ddh3v{host}", "master", f"ddh3n{node}b"] in built
+        fake.calls.clear()
+        c.set_rate("100mbit")
+        tbf = ["tbf", "rate", "100mbit", "burst", "65536", "limit", "1250000"]
+        assert fake.changes() == [["tc", "qdisc", "replace", "dev", dev, "root"] + tbf
+                                  for dev in ("ddh3u0", "ddh3w0", "ddh3u1", "ddh3w1")]
+        fake.calls.clear()
+    deleted = fake.changes()
+    assert deleted[-3:] == [["ip", "link", "delete", "ddh3u0"], ["ip", "link", "delete", "ddh3n0b"],
+                            ["ip", "link", "delete", "ddh3b"]]  # the cluster bridge last
+    assert cluster.owner_pid("ddh3n1b") == cluster.owner_pid("ddh3u1") == cluster.owner_pid("ddh3w0") == 3
+    with pytest.raises(ValueError, match="divides `hosts`=4"):
+        Cluster(4, nodes=3)
+
+
 def test_set_rate_shapes_both_ends_of_every_veth(as_root):
     fake = FakeIproute()
     with Cluster(2, run=fake, pid=3) as c:
@@ -237,7 +262,7 @@ def test_rank_control_waits_for_the_controller(tmp_path):
 
 def test_rank_control_times_out_without_a_controller(tmp_path):
     control = cluster_control.RankControl(str(tmp_path), 1, timeout=0.05, barrier=lambda: None)
-    with pytest.raises(TimeoutError, match=r"no answer from the controller to bandwidth request 0 \(100mbit\)"):
+    with pytest.raises(TimeoutError, match=r"no answer from the controller to request 0 \(100mbit\)"):
         control.switch("100mbit")
     assert not os.listdir(tmp_path)  # only rank 0 writes requests
 
@@ -271,17 +296,21 @@ def test_every_method_builds_with_the_recipe():
         assert exchange.kind == method.hook
 
 
-def test_plans_by_host_count():
+def test_plans_by_host_and_node_count():
     plan = bench_cluster.build_plan(bench_cluster.parse_args(["--headline", "--rounds", "2"]))
-    assert list(plan) == [4] and [(r.model, r.round) for r in plan[4]] == [("resnet18", 0), ("resnet18", 1)]
+    assert list(plan) == [(4, 1)] and [(r.model, r.round) for r in plan[4, 1]] == [("resnet18", 0), ("resnet18", 1)]
     plan = bench_cluster.build_plan(bench_cluster.parse_args(["--quick"]))
-    assert {h: [r.model for r in runs] for h, runs in plan.items()} == {2: ["resnet20"], 4: ["resnet20", "resnet18"]}
+    assert {h: [r.model for r in runs] for (h, _), runs in plan.items()} == {2: ["resnet20"],
+                                                                            4: ["resnet20", "resnet18"]}
     plan = bench_cluster.build_plan(bench_cluster.parse_args(["--hosts", "3", "--models", "resnet18"]))
-    assert list(plan) == [3] and len(plan[3][0].methods) == 39
+    assert list(plan) == [(3, 1)] and len(plan[3, 1][0].methods) == 39
     plan = bench_cluster.build_plan(bench_cluster.parse_args(
         ["--hosts", "8", "--models", "resnet18", "--bandwidths", "100mbit", "1gbit", "--summary-methods"]))
-    (run,) = plan[8]
-    assert list(plan) == [8] and run.methods == cluster_plan.summary_methods() and len(run.methods) == 13
+    (run,) = plan[8, 1]
+    assert list(plan) == [(8, 1)] and run.methods == cluster_plan.summary_methods() and len(run.methods) == 13
+    plan = bench_cluster.build_plan(bench_cluster.parse_args(["--nodes"]))
+    assert list(plan) == [(4, 2), (8, 2)]
+    assert [m.ranks_per_node for m in plan[8, 2][0].methods] == [0, 4, 0, 4]
     assert tuple(run.bandwidths) == ("1gbit", "100mbit")
     with pytest.raises(SystemExit):
         bench_cluster.parse_args(["--headline", "--summary-methods"])
@@ -424,11 +453,12 @@ def _worker_body(rank, world_size):
     import torch
 
     import cluster_worker
-    from cluster_plan import ADAALTER, ALLREDUCE, POWERSGD, sparsifier
+    from cluster_plan import ADAALTER, ALLREDUCE, POWERSGD, in_nodes, sparsifier
 
     images, labels = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
     out, groups = {}, cluster_worker.PerBucketGroups()
-    for method in (ALLREDUCE, POWERSGD[1], sparsifier("topk", 0.1, "global", "allgather"), ADAALTER[4]):
+    for method in (ALLREDUCE, POWERSGD[1], sparsifier("topk", 0.1, "global", "allgather"), ADAALTER[4],
+                   in_nodes(sparsifier("random_block", 0.1, "layer", "allreduce"), 2)):
         bench = cluster_worker.MethodBench(method, "resnet20", images, labels, "lo", groups)
         for _ in range(method.untimed_steps):
             bench.step()
@@ -457,6 +487,29 @@ def test_worker_windows_count_steps_bytes_and_phases():
     assert adaalter["steps"] == 4 and adaalter["sent"] == 2 * 4 * params
     topk, _ = results[0]["top-k"]
     assert topk["sent"] < allreduce["sent"] / 4
+    # one node of both ranks: each sends 0.1 of its half (to itself); dense is the whole gradient
+    hierarchical, _ = results[0]["random-block, nodes of 2"]
+    assert 0 < hierarchical["sent"] < hierarchical["dense"] / 10
+
+
+def test_nodes_report_judges_each_target():
+    import nodes_report
+
+    block = dict(method="random_block", density=0.01, scope="layer", aggregation="allreduce")
+    rows = []
+    for bandwidth, seconds in (("100mbit", (6.0, 0.5, 0.4)), ("5mbit", (None, 3.0, 2.0))):
+        flat_s, nodes_s = seconds[1], seconds[2]
+        if seconds[0]:
+            rows.append(_record("allreduce hook", "allreduce", seconds[0], bandwidth=bandwidth, nodes=2))
+        rows.append(_record("random-block", "sparsify", flat_s, bandwidth=bandwidth, nodes=2,
+                            slow_link_bytes_per_step=900.0, exchange_s=0.8 * flat_s, **block))
+        rows.append(_record("random-block, nodes of 2", "sparsify", nodes_s, bandwidth=bandwidth, nodes=2,
+                            ranks_per_node=2, slow_link_bytes_per_step=400.0, exchange_s=0.1, **block))
+    report = nodes_report.format_nodes_report(rows, None)
+    assert "### resnet18 (11.17 M parameters), 2 nodes x 2 hosts, 5mbit between nodes" in report
+    assert "0.44 of flat's 900 B (target 1/2: met)" in report
+    assert "15.00x faster than the allreduce hook (target 10x: met)" in report
+    assert "1.50x faster than flat random-block, whose exchange is 80% of its step (target 1.3x: met)" in report
 
 
 # ----- a real cluster (root only) -----
@@ -503,6 +556,24 @@ def test_real_cluster():
         sleeper = c.popen(0, ["sleep", "60"])
     assert sleeper.poll() is not None  # stopped by the teardown
     assert ours() == []
+
+
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and permission to create namespaces")
+def test_real_cluster_of_two_nodes_shapes_and_counts_the_link_between_them():
+    with Cluster(2, nodes=2) as c:
+        c.set_rate("100mbit")
+        host_qdisc = subprocess.run(["tc", "-n", c.namespace(0), "qdisc", "show", "dev", "eth0"],
+                                    capture_output=True, text=True).stdout
+        uplink_qdisc = subprocess.run(["tc", "qdisc", "show", "dev", cluster.uplink_names(c.pid, 1)[0]],
+                                      capture_output=True, text=True).stdout
+        assert "tbf" not in host_qdisc and "tbf" in uplink_qdisc and "100Mbit" in uplink_qdisc
+        before = c.uplink_bytes()
+        server = c.popen(1, [sys.executable, "-c", _ECHO])
+        client = c.popen(0, [sys.executable, "-c", _CALL, c.address(1)], stdout=subprocess.PIPE, text=True)
+        assert client.communicate(timeout=30)[0].strip() == "ping"
+        assert server.wait(30) == 0
+        after = c.uplink_bytes()
+        assert all(a > b for a, b in zip(after, before))  # each node sent its side of the conversation
 
 
 _OWNER = ("import sys, time\n"

@@ -55,6 +55,7 @@ def _args(*argv, cuda=False):
      "--accumulator-period must be a positive multiple of --period 4"),
     (["--optimizer", "adagrad", "--momentum", "0.9"], "--momentum applies to --optimizer sgd only"),
     (["--no-error-feedback"], "--no-error-feedback applies to --hook sparsify only"),
+    (["--nodes", "2"], "--nodes applies to --hook sparsify only"),
     (["--hook", "powersgd", "--warmup-steps", "1"], "needs --warmup-steps >= 2"),
     (["--data", "cifar10"], "--data cifar10 needs --data-dir"),
     (["--download"], "apply to --data cifar10 only"),

@@ -50,6 +50,8 @@ COMBOS = {
     "sparsify-block-global": ["--hook", "sparsify", "--method", "random_block", "--density", "0.1",
                               "--scope", "global", "--lr-warmup-epochs", "1", "--hook-seed", "3",
                               "--density-warmup-steps", "0", "--block-size", "4"],
+    "sparsify-nodes": ["--hook", "sparsify", "--method", "shared_topk", "--density", "0.1", "--nodes", "2",
+                       "--density-warmup-steps", "0"],
     "sparsify-no-ef": ["--hook", "sparsify", "--density", "0.2", "--no-error-feedback",
                        "--aggregation", "allgather", "--density-warmup-steps", "0"],
     "cifar-folder": ["--data", "cifar10", "--cifar-skip-md5", "--synthetic-size", "64"],
