@@ -8,7 +8,10 @@
   ``load_state`` carry every rank's hook state.
 * :mod:`.transformers`: :func:`~.transformers.register_comm_hook`, one call
   that adds a hook to a Hugging Face ``Trainer`` and to its checkpoints.
-* :mod:`.every_rank`: :class:`~.every_rank.EveryRankState`, what all three
+* :mod:`.fsdp`: :class:`~.fsdp.SparseReplicas`, FSDP2's all-reduce between
+  replicas (HSDP) through the sparsifying compressor, through FSDP2's
+  all-reduce hook; its state saves through ``torch.distributed.checkpoint``.
+* :mod:`.every_rank`: :class:`~.every_rank.EveryRankState`, what the first three
   use: a hook state whose ``state_dict`` holds every rank's, for frameworks
   that write their checkpoint from one process.
 
