@@ -24,19 +24,19 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 ATTEMPTS = 4  # at the rate measured above, four aborts in a row: about 1 in 1000
 
 
-def run_under_torchrun(script, cwd, timeout, nproc=2):
-    """``subprocess.run`` of ``script`` under torchrun with ``nproc`` workers in ``cwd`` (text output captured)."""
-    proc = _run(script, cwd, timeout, nproc)
+def run_under_torchrun(script, cwd, timeout, nproc=2, args=()):
+    """``subprocess.run`` of ``script args`` under torchrun with ``nproc`` workers in ``cwd`` (text output captured)."""
+    proc = _run(script, cwd, timeout, nproc, args)
     for _ in range(ATTEMPTS - 1):
         if proc.returncode == 0 or TEARDOWN_ABORT not in proc.stderr:
             break
         for entry in cwd.iterdir():  # what the aborted run wrote must not count for the next one
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        proc = _run(script, cwd, timeout, nproc)
+        proc = _run(script, cwd, timeout, nproc, args)
     return proc
 
 
-def _run(script, cwd, timeout, nproc):
+def _run(script, cwd, timeout, nproc, args=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", script]
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", script, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
