@@ -58,21 +58,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ddp_hooks import SparsifyState, build_sparsify_sgd, sparsify_hook  # noqa: E402
 from ddp_hooks.testing import run_distributed  # noqa: E402
+from cifar_models import small_cnn as cnn  # noqa: E402,F401 (the benchmarks' model, imported from here)
 from fashion_mnist_data import find_fashion_mnist, read_fashion_mnist  # noqa: E402
 from result_files import every_run, read_results  # noqa: E402
 
 METHODS = ("topk", "random_block", "randomk")
 DENSITIES = (0.1, 0.05, 0.01)
-
-
-def cnn(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 16, 5, padding=2), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 5, padding=2), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 3 * 3, 10),
-    )
 
 
 def run_config(name: str, hook=None, build: bool = False, ef: bool = True, pairing: str = "optimizer", **options):

@@ -28,17 +28,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from cifar_models import small_cnn  # noqa: E402
 from fashion_mnist_data import find_fashion_mnist, read_fashion_mnist  # noqa: E402
-
-
-def cnn(seed: int) -> torch.nn.Sequential:
-    """Convolutions 1-16, 16-32 (5x5) and 32-32 (3x3), each with ReLU and 2x2 max-pooling, then linear 288-10."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 16, 5, padding=2), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 5, padding=2), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 3 * 3, 10))
 
 
 def sharded_model(args, world: int):
@@ -51,7 +42,7 @@ def sharded_model(args, world: int):
     if world % args.shard_size:
         raise SystemExit(f"--shard-size {args.shard_size} must divide the world size {world}")
     mesh = init_device_mesh("cpu", (world // args.shard_size, args.shard_size), mesh_dim_names=("replicate", "shard"))
-    model = cnn(args.seed)
+    model = small_cnn(args.seed)
     over = mesh if args.replicas == "dense" else mesh["shard"]  # dense: FSDP2's own HSDP
     for layer in model:
         if any(True for _ in layer.parameters()):
