@@ -13,7 +13,10 @@
   all-reduce hook; its state saves through ``torch.distributed.checkpoint``.
 * :mod:`.every_rank`: :class:`~.every_rank.EveryRankState`, what the first three
   use: a hook state whose ``state_dict`` holds every rank's, for frameworks
-  that write their checkpoint from one process.
+  that write their checkpoint from one process; :mod:`.rank_files`:
+  :class:`~.rank_files.RankFiles`, each rank's state in its own file
+  instead, for models whose residuals are too large to gather
+  (``per_rank_files=True`` / ``per_rank_dir=...`` in the three helpers).
 
 Each framework module imports its framework, so import it only where the
 framework is installed (``pip install "ddp-hooks[lightning]"``,

@@ -28,17 +28,19 @@ Example (one process: Accelerate wraps nothing in DDP, so there is nothing to ho
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
 from .every_rank import EveryRankState, check_hook, ddp_inside, not_ddp_message
+from .rank_files import RankFiles
 
 __all__ = ["register_comm_hook"]
 
 
-def register_comm_hook(accelerator: Accelerator, model: Any, state: Any, hook: Callable) -> EveryRankState:
+def register_comm_hook(accelerator: Accelerator, model: Any, state: Any, hook: Callable,
+                       per_rank_files: bool = False) -> Union[EveryRankState, RankFiles]:
     """Register ``hook`` with ``state`` on ``model`` (as ``accelerator.prepare`` returned it) and checkpoint its state.
 
     Returns the :class:`~.every_rank.EveryRankState` registered with
@@ -48,6 +50,11 @@ def register_comm_hook(accelerator: Accelerator, model: Any, state: Any, hook: C
     model. ``save_state`` then gathers every rank's hook state, a
     collective: call it on every process (as Accelerate's own docs say),
     never under ``if accelerator.is_main_process``, or it waits forever.
+
+    With ``per_rank_files=True`` (large models, many ranks) each rank
+    instead writes its own file into ``save_state``'s folder and
+    ``load_state`` reads it back (:class:`~.rank_files.RankFiles`, returned):
+    no process holds more than its own state.
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}")
@@ -56,7 +63,11 @@ def register_comm_hook(accelerator: Accelerator, model: Any, state: Any, hook: C
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError("`model`: " + not_ddp_message(ddp_model, accelerator.num_processes,
                                                        "accelerate launch --num_processes N, or torchrun"))
-    every_rank = EveryRankState(state)
+    saver = RankFiles(state) if per_rank_files else EveryRankState(state)
     ddp_model.register_comm_hook(state, hook)
-    accelerator.register_for_checkpointing(every_rank)
-    return every_rank
+    if per_rank_files:  # Accelerate calls these on every process, with the checkpoint's folder
+        accelerator.register_save_state_pre_hook(lambda models, weights, folder: saver.save(folder))
+        accelerator.register_load_state_pre_hook(lambda models, folder: saver.load(folder))
+    else:
+        accelerator.register_for_checkpointing(saver)
+    return saver

@@ -11,7 +11,10 @@ It registers the hook on the ``DistributedDataParallel`` model Lightning
 builds, when fitting starts, whatever the device (CPU with gloo, CUDA with
 NCCL), and stores every rank's hook state in Lightning's checkpoints (built
 on every rank, written by rank 0: :class:`~.every_rank.EveryRankState`);
-``trainer.fit(..., ckpt_path=...)`` gives each rank its own back. Needs
+``trainer.fit(..., ckpt_path=...)`` gives each rank its own back. With
+``CommHook(..., per_rank_dir=folder)`` each rank writes its own file into
+``folder/step-<global step>`` instead and the checkpoint holds where
+(:class:`~.rank_files.RankFiles`): no process holds another's state. Needs
 ``pip install "ddp-hooks[lightning]"``.
 
 Local AdaAlter (and any local SGD) leaves the ranks' weights and optimizer
@@ -37,12 +40,14 @@ Example (the callback alone; a complete run is in the README)::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import os
+from typing import Any, Callable, Dict, Optional
 
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from .every_rank import EveryRankState, check_hook, gather_every_rank, own_entry
+from .rank_files import RankFiles
 
 __all__ = ["CommHook", "EveryRankCheckpoint"]
 
@@ -55,19 +60,26 @@ class CommHook(Callback):
             with ``state_dict`` / ``load_state_dict``).
         hook: the comm hook, ``hook(state, bucket) -> Future``
             (:func:`~ddp_hooks.sparsify_hook`).
+        per_rank_dir (str): a folder every rank can write to: each rank saves
+            its own file there at each checkpoint, and the checkpoint holds
+            only where; None (default): every rank's state in the checkpoint.
     """
 
-    def __init__(self, state: Any, hook: Callable):
+    def __init__(self, state: Any, hook: Callable, per_rank_dir: Optional[str] = None):
         check_hook(hook)
         self.state, self.hook = state, hook
         self.every_rank = EveryRankState(state)  # checks that the state can be saved
+        self.rank_files = None if per_rank_dir is None else RankFiles(state)
+        self.per_rank_dir = per_rank_dir
         self.registered_on = None  # the DDP model the hook is registered on
+        self.trainer = None
 
     @property
     def state_key(self) -> str:
         return "CommHook"
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        self.trainer = trainer
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
             raise ValueError(
@@ -90,12 +102,20 @@ class CommHook(Callback):
                              "checkpoint saved with CommHook in the callbacks")
 
     def state_dict(self) -> Dict[str, Any]:
-        """Every rank's hook state (a collective: Lightning calls it on every rank when it saves)."""
-        return self.every_rank.state_dict()
+        """Every rank's hook state (a collective: Lightning calls it on every rank when it saves); with
+        ``per_rank_dir``, this rank's written to its own file, and the folder."""
+        if self.rank_files is None:
+            return self.every_rank.state_dict()
+        folder = os.path.join(self.per_rank_dir, f"step-{self.trainer.global_step}")
+        self.rank_files.save(folder)
+        return {"per_rank_folder": folder}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """This rank's own hook state, from a checkpoint saved at the same world size."""
-        self.every_rank.load_state_dict(state_dict)
+        if "per_rank_folder" in state_dict:
+            RankFiles(self.state).load(state_dict["per_rank_folder"])
+        else:
+            self.every_rank.load_state_dict(state_dict)
 
 
 class EveryRankCheckpoint(Callback):

@@ -42,20 +42,25 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .every_rank import EveryRankState, check_hook, ddp_inside, not_ddp_message
+from .rank_files import RankFiles
 
 __all__ = ["CommHookCallback", "register_comm_hook"]
 
 
-def register_comm_hook(trainer: Trainer, state: Any, hook: Callable) -> "CommHookCallback":
+def register_comm_hook(trainer: Trainer, state: Any, hook: Callable,
+                       per_rank_files: bool = False) -> "CommHookCallback":
     """Add ``hook`` with ``state`` to ``trainer``: registered when training begins, saved with its checkpoints.
 
     Call it once, on every process, before ``trainer.train()``; returns the
-    :class:`CommHookCallback` it added.
+    :class:`CommHookCallback` it added. ``per_rank_files``: each rank writes
+    its own file into the checkpoint folder (:class:`~.rank_files.RankFiles`)
+    instead of one process writing every rank's.
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"`trainer` must be a transformers.Trainer, got {type(trainer).__name__}")
     callback = CommHookCallback(lambda: trainer.model_wrapped, state, hook,
-                                grad_scaler=lambda: getattr(trainer.accelerator, "scaler", None))
+                                grad_scaler=lambda: getattr(trainer.accelerator, "scaler", None),
+                                per_rank_files=per_rank_files)
     trainer.add_callback(callback)
     return callback
 
@@ -72,16 +77,19 @@ class CommHookCallback(TrainerCallback):
         grad_scaler: a function returning the Trainer's GradScaler or None
             (``trainer.accelerator.scaler``); read when training begins and
             given to a ``state`` that has a ``grad_scaler`` of None.
+        per_rank_files (bool): each rank writes and reads its own file in
+            the checkpoint folder (``comm_hook_state-rank<r>-of-<W>.pt``).
     """
 
     file_name = "comm_hook_state.pt"
 
     def __init__(self, wrapped_model: Callable[[], Any], state: Any, hook: Callable,
-                 grad_scaler: Callable[[], Any] = lambda: None):
+                 grad_scaler: Callable[[], Any] = lambda: None, per_rank_files: bool = False):
         check_hook(hook)
         self.wrapped_model, self.state, self.hook, self.grad_scaler = wrapped_model, state, hook, grad_scaler
         self.handed_scaler = None  # the scaler this callback gave the state (a new Trainer may bring another)
         self.every_rank = EveryRankState(state)  # checks that the state can be saved
+        self.rank_files = RankFiles(state) if per_rank_files else None
         self.registered_on = None
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -93,7 +101,11 @@ class CommHookCallback(TrainerCallback):
         if self.registered_on is not model:
             model.register_comm_hook(self.state, self.hook)
             self.registered_on = model
-        if state.global_step > 0:  # the Trainer restored its state from a checkpoint: a resume
+        if state.global_step > 0 and self.rank_files is not None:  # a resume from this rank's own file
+            saved = self.rank_files.read(self._checkpoint_folder(args, state))
+            self._check_checksum(saved, model, self.rank_files.path(self._checkpoint_folder(args, state)), state)
+            self.state.load_state_dict(saved["state"])
+        elif state.global_step > 0:  # the Trainer restored its state from a checkpoint: a resume
             path = os.path.join(self._checkpoint_folder(args, state), self.file_name)
             if not os.path.isfile(path):
                 raise FileNotFoundError(
@@ -101,12 +113,16 @@ class CommHookCallback(TrainerCallback):
                     "residuals would restart at zero. Resume from a checkpoint saved with register_comm_hook, "
                     "in the Trainer's output_dir")
             saved = torch.load(path, map_location="cpu", weights_only=True)
-            if saved["weights_checksum"] != _checksum(model):
-                raise ValueError(
-                    f"{path} was saved beside other weights than those the Trainer resumed from (step "
-                    f"{saved['global_step']}): it belongs to another run's checkpoint-{state.global_step}. Resume "
-                    "from a checkpoint inside the Trainer's output_dir, where this callback finds its own file")
+            self._check_checksum(saved, model, path, state)
             self.every_rank.load_state_dict(saved["hook_states"])
+
+    @staticmethod
+    def _check_checksum(saved, model, path, state) -> None:
+        if saved["weights_checksum"] != _checksum(model):
+            raise ValueError(
+                f"{path} was saved beside other weights than those the Trainer resumed from (step "
+                f"{saved['global_step']}): it belongs to another run's checkpoint-{state.global_step}. Resume "
+                "from a checkpoint inside the Trainer's output_dir, where this callback finds its own file")
 
     def hand_over_scaler(self) -> None:
         """Give the Trainer's GradScaler to a hook state that takes one (replacing one this callback gave it
@@ -123,6 +139,10 @@ class CommHookCallback(TrainerCallback):
                 "with grad_scaler=None and the callback hands it the Trainer's")
 
     def on_save(self, args, state, control, **kwargs):
+        if self.rank_files is not None:  # every process writes its own file
+            self.rank_files.save(self._checkpoint_folder(args, state), global_step=state.global_step,
+                                 weights_checksum=_checksum(self.registered_on))
+            return
         everyone = self.every_rank.state_dict()  # a collective: the Trainer calls on_save on every process
         if args.should_save:
             saved = {"global_step": state.global_step, "weights_checksum": _checksum(self.registered_on),

@@ -14,7 +14,7 @@ from framework_jobs import STEPS_PER_EPOCH, as_launched_process, check_against_p
 STEPS = 2 * STEPS_PER_EPOCH
 
 
-def _train(rank, world, steps, save_to=None, resume_from=None):
+def _train(rank, world, steps, save_to=None, resume_from=None, per_rank=False):
     """The user's loop under Accelerate: ``prepare``, the one added call, ``backward`` through the accelerator."""
     from accelerate import Accelerator
 
@@ -28,7 +28,7 @@ def _train(rank, world, steps, save_to=None, resume_from=None):
     net = small_mlp()
     model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=LR))
     state = new_state()
-    register_comm_hook(accelerator, model, state, sparsify_hook)
+    register_comm_hook(accelerator, model, state, sparsify_hook, per_rank_files=per_rank)
     first = 0
     if resume_from is not None:
         accelerator.load_state(resume_from)
@@ -42,15 +42,20 @@ def _train(rank, world, steps, save_to=None, resume_from=None):
     return flat(accelerator.unwrap_model(model).parameters()), state.stats()
 
 
-def _accelerate_against_plain(rank, world, folder):
+def _accelerate_against_plain(rank, world, folder, per_rank):
     plain = plain_ddp(rank, world, STEPS)
     whole = _train(rank, world, STEPS)
     path = os.path.join(folder, "half")
-    _train(rank, world, STEPS_PER_EPOCH, save_to=path)
-    resumed = _train(rank, world, STEPS, resume_from=path)
+    _train(rank, world, STEPS_PER_EPOCH, save_to=path, per_rank=per_rank)
+    resumed = _train(rank, world, STEPS, resume_from=path, per_rank=per_rank)
     return plain, whole, resumed
 
 
-def test_the_hook_runs_trains_as_plain_ddp_and_resumes_bitwise(tmp_path):
-    results = run_distributed(_accelerate_against_plain, 2, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("per_rank", [False, True], ids=["every rank in one file", "a file per rank"])
+def test_the_hook_runs_trains_as_plain_ddp_and_resumes_bitwise(tmp_path, per_rank):
+    results = run_distributed(_accelerate_against_plain, 2, str(tmp_path), per_rank, timeout=300)
     check_against_plain(results, STEPS)
+    saved = sorted(os.listdir(tmp_path / "half"))
+    per_rank_files = ["comm_hook_state-rank0-of-2.pt", "comm_hook_state-rank1-of-2.pt"]
+    assert all(name in saved for name in per_rank_files) == per_rank
+    assert ("custom_checkpoint_0.pkl" in saved) != per_rank

@@ -57,27 +57,36 @@ def _sgd(module):
     return torch.optim.SGD(module.parameters(), lr=LR)
 
 
-def _fit_with_hook(rank, world, epochs, **checkpointing):
+def _fit_with_hook(rank, world, epochs, per_rank_dir=None, **checkpointing):
     from ddp_hooks import sparsify_hook
     from ddp_hooks.integrations.lightning import CommHook
     from framework_jobs import new_state
 
     state = new_state()
-    return _fit(rank, world, epochs, CommHook(state, sparsify_hook), _sgd, **checkpointing), state.stats()
+    callback = CommHook(state, sparsify_hook, per_rank_dir=per_rank_dir)
+    return _fit(rank, world, epochs, callback, _sgd, **checkpointing), state.stats()
 
 
-def _lightning_against_plain(rank, world, folder):
+def _lightning_against_plain(rank, world, folder, per_rank):
+    per_rank_dir = os.path.join(folder, "hook-states") if per_rank else None
     plain = plain_ddp(rank, world, EPOCHS * STEPS_PER_EPOCH)
     whole = _fit_with_hook(rank, world, EPOCHS)
     path = os.path.join(folder, "half.ckpt")
-    _fit_with_hook(rank, world, 1, save_to=path)
-    resumed = _fit_with_hook(rank, world, EPOCHS, resume_from=path)
+    _fit_with_hook(rank, world, 1, per_rank_dir, save_to=path)
+    resumed = _fit_with_hook(rank, world, EPOCHS, per_rank_dir, resume_from=path)
     return plain, whole, resumed
 
 
-def test_the_hook_runs_trains_as_plain_ddp_and_resumes_bitwise(tmp_path):
-    results = run_distributed(_lightning_against_plain, 2, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("per_rank", [False, True], ids=["every rank in the checkpoint", "a file per rank"])
+def test_the_hook_runs_trains_as_plain_ddp_and_resumes_bitwise(tmp_path, per_rank):
+    results = run_distributed(_lightning_against_plain, 2, str(tmp_path), per_rank, timeout=300)
     check_against_plain(results, EPOCHS * STEPS_PER_EPOCH)
+    saved = torch.load(tmp_path / "half.ckpt", weights_only=False)["callbacks"]["CommHook"]
+    if per_rank:  # the checkpoint holds where; each rank's file holds its own state
+        assert saved == {"per_rank_folder": os.path.join(str(tmp_path), "hook-states", f"step-{STEPS_PER_EPOCH}")}
+        assert sorted(os.listdir(saved["per_rank_folder"])) == [f"comm_hook_state-rank{r}-of-2.pt" for r in (0, 1)]
+    else:
+        assert len(saved["ranks"]) == 2
 
 
 def _fit_local_adaalter(rank, world, epochs, sparse, **checkpointing):

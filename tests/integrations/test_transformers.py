@@ -14,7 +14,7 @@ from framework_jobs import STEPS_PER_EPOCH, as_launched_process, check_against_p
 STEPS = 2 * STEPS_PER_EPOCH
 
 
-def _train(rank, world, folder, resume=False):
+def _train(rank, world, folder, resume=False, per_rank=False):
     """The Trainer with SGD at a constant lr, no clipping; the model's loss is plain DDP's at the same step."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -47,21 +47,24 @@ def _train(rank, world, folder, resume=False):
     data = [{"index": i} for i in range(STEPS * world)]
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[FollowStep()])
     state = new_state()
-    register_comm_hook(trainer, state, sparsify_hook)
+    register_comm_hook(trainer, state, sparsify_hook, per_rank_files=per_rank)
     trainer.train(resume_from_checkpoint=os.path.join(folder, f"checkpoint-{STEPS_PER_EPOCH}") if resume else None)
     return flat(model.net.parameters()), state.stats()
 
 
-def _trainer_against_plain(rank, world, folder):
+def _trainer_against_plain(rank, world, folder, per_rank):
     plain = plain_ddp(rank, world, STEPS)
-    whole = _train(rank, world, folder)  # saves checkpoints at half and at the end
-    resumed = _train(rank, world, folder, resume=True)
+    whole = _train(rank, world, folder, per_rank=per_rank)  # saves checkpoints at half and at the end
+    resumed = _train(rank, world, folder, resume=True, per_rank=per_rank)
     return plain, whole, resumed
 
 
-def test_the_hook_runs_trains_as_plain_ddp_and_resumes_bitwise(tmp_path):
-    results = run_distributed(_trainer_against_plain, 2, str(tmp_path), timeout=300)
-    assert os.path.isfile(tmp_path / f"checkpoint-{STEPS_PER_EPOCH}" / "comm_hook_state.pt")
+@pytest.mark.parametrize("per_rank", [False, True], ids=["every rank in one file", "a file per rank"])
+def test_the_hook_runs_trains_as_plain_ddp_and_resumes_bitwise(tmp_path, per_rank):
+    results = run_distributed(_trainer_against_plain, 2, str(tmp_path), per_rank, timeout=300)
+    saved = sorted(os.listdir(tmp_path / f"checkpoint-{STEPS_PER_EPOCH}"))
+    assert ("comm_hook_state.pt" in saved) != per_rank
+    assert all(f"comm_hook_state-rank{r}-of-2.pt" in saved for r in (0, 1)) == per_rank
     check_against_plain(results, STEPS)
 
 
