@@ -150,7 +150,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="shared top-k against top-k, random-block and the allreduce hook: resnet20 and resnet18 "
                         "on 4 hosts at 1gbit and 100mbit")
     p.add_argument("--nodes", action="store_true",
-                   help="dense inside nodes, sparse between them: resnet18 on 2 nodes of 2 hosts (100, 10 and 5 "
+                   help="dense inside nodes, sparse between them: resnet18 on 2 nodes of 2 hosts (100, 10, 5 and 2 "
                         "mbit between nodes) and of 4 hosts (1gbit), against the flat exchange")
     p.add_argument("--summary-methods", action="store_true",
                    help="with --hosts/--models/--bandwidths: one method of each kind (cluster_plan."

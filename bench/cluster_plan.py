@@ -209,7 +209,7 @@ def in_nodes(method: Method, ranks_per_node: int) -> Method:
 
 def nodes_plan() -> List[Run]:
     """Dense inside nodes, sparse between: ResNet-18 on 2 nodes of 2 hosts against the flat exchange and
-    PyTorch's hooks at 100 Mbit/s between nodes, the sparsifiers alone at 10 and 5 Mbit/s (where the flat
+    PyTorch's hooks at 100 Mbit/s between nodes, the sparsifiers alone at 10, 5 and 2 Mbit/s (where the flat
     exchange's time dominates the step), and on 2 nodes of 4 hosts at 1 Gbit/s (bytes on the slow link)."""
     flat_block = sparsifier("random_block", 0.01, "layer", "allreduce")
     flat_shared = sparsifier("shared_topk", 0.01, "layer", "allreduce")
@@ -218,7 +218,7 @@ def nodes_plan() -> List[Run]:
         return [flat_block, in_nodes(flat_block, ranks_per_node), flat_shared, in_nodes(flat_shared, ranks_per_node)]
 
     return [Run(4, "resnet18", [ALLREDUCE, NOOP, POWERSGD[4]] + sparse(2), ("100mbit",), nodes=2),
-            Run(4, "resnet18", sparse(2), ("10mbit", "5mbit"), nodes=2),
+            Run(4, "resnet18", sparse(2), ("10mbit", "5mbit", "2mbit"), nodes=2),
             Run(8, "resnet18", sparse(4), ("1gbit",), nodes=2)]
 
 
