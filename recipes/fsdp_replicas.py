@@ -33,11 +33,9 @@ from fashion_mnist_data import find_fashion_mnist, read_fashion_mnist  # noqa: E
 
 
 def sharded_model(args, world: int):
-    """The CNN under FSDP2 on a (replicate, shard) mesh, and its SparseReplicas (None for ``--replicas dense``)."""
+    """The CNN under FSDP2 on a (replicate, shard) mesh (2-D for ``--replicas dense``: FSDP2's HSDP), and the mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from ddp_hooks.integrations.fsdp import SparseReplicas
 
     if world % args.shard_size:
         raise SystemExit(f"--shard-size {args.shard_size} must divide the world size {world}")
@@ -48,10 +46,7 @@ def sharded_model(args, world: int):
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=over)
     fully_shard(model, mesh=over)
-    if args.replicas == "dense":
-        return model, None
-    return model, SparseReplicas(model, mesh.get_group("replicate"), method=args.method, density=args.density,
-                                 seed=args.seed)
+    return model, mesh
 
 
 def train(rank: int, world: int, args) -> dict:
@@ -65,8 +60,14 @@ def train(rank: int, world: int, args) -> dict:
     per_rank = args.train // world
     xs, ys = scale(train_x[rank * per_rank:(rank + 1) * per_rank]), train_y[rank * per_rank:(rank + 1) * per_rank]
     test_x, steps_per_epoch = scale(test_x), per_rank // args.batch
-    model, replicas = sharded_model(args, world)
+    from ddp_hooks.integrations.fsdp import SparseReplicas
+
+    model, mesh = sharded_model(args, world)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    replicas = None  # the one added line: the replicas' all-reduce through the compressor, momentum counted in sends
+    if args.replicas == "sparse":
+        replicas = SparseReplicas(model, mesh.get_group("replicate"), optimizer, method=args.method,
+                                  density=args.density, seed=args.seed)
     start_epoch, curve = 0, []
 
     def state():

@@ -18,6 +18,15 @@ in place, so that FSDP makes the gradient's shard of :math:`\hat s`. The
 residuals are per parameter shard (padded as FSDP2 pads it), ``1 / L`` of
 the model per rank with ``L`` ranks in the shard group.
 
+**Momentum in sends.** Given the user's ``torch.optim.SGD`` with momentum
+``m`` (``optimizer=``), each rank's velocity steps where it sends,
+``w = m w + p`` there, the replicas average what they sent, ``u_t``, and
+the optimizer is handed ``u_t - m u_{t-1}``, so that its own buffer holds
+``u_t``, as :func:`~ddp_hooks.sparsify_hook` does for DDP: a random
+selector sends a coordinate about once every ``1 / density`` steps with all
+it gathered, and the optimizer's momentum multiplying that burst by
+``1 / (1 - m)`` diverges (``bench/README.md``, "FSDP2's replicas").
+
 Checkpoints: :meth:`SparseReplicas.state_dict` holds this rank's residuals
 under a key of its own rank, so that ``torch.distributed.checkpoint`` saves
 each rank's beside the model's shards (each rank writes its own file, and
@@ -27,7 +36,8 @@ none holds another's) and loads them back in place::
     for block in model.blocks:
         fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    replicas = SparseReplicas(model, mesh.get_group("replicate"), method="random_block", density=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    replicas = SparseReplicas(model, mesh.get_group("replicate"), optimizer, method="random_block", density=0.01)
     ...
     dcp.save({"model": model.state_dict(), "replicas": replicas.state_dict()}, checkpoint_id=folder)
     # resume: build the same way, then
@@ -44,7 +54,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..sparsify.compressor import SparseCompressor
+from ..sparsify.compressor import SparseCompressor, starts_of, units_of
 from ..sparsify.memory import Layout
 from ..sparsify.options import SparsifyOptions
 
@@ -59,13 +69,16 @@ class SparseReplicas:
             (it and its sharded submodules).
         replicate_group: the group of the ranks holding the same shards, one
             per replica (``mesh.get_group("replicate")``).
+        optimizer: the ``torch.optim.SGD`` that steps the model, whose
+            momentum is then counted in sends (None: the average is handed
+            over as it is).
         **options: the compressor's options, as ``SparsifyState`` takes them
             (``method``, ``density``, ``aggregation``, ``value_dtype``,
             ``seed``, ``block_size``, ``density_warmup_steps``,
             ``error_feedback``, ``warmup_steps``); layer scope.
     """
 
-    def __init__(self, model: torch.nn.Module, replicate_group, **options: Any) -> None:
+    def __init__(self, model: torch.nn.Module, replicate_group, optimizer=None, **options: Any) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         for name in ("scope", "momentum", "weight_decay", "optimizer_momentum"):
@@ -74,7 +87,12 @@ class SparseReplicas:
                                  "budget of its own (layer scope) and leaves momentum and weight decay to the "
                                  "optimizer, which steps the shards FSDP makes of the average")
         self.options = SparsifyOptions(**options)
+        self.momentum = _momentum_of(optimizer)
+        if self.momentum and not self.options.error_feedback:
+            raise ValueError("SparseReplicas counts the optimizer's momentum in sends, which needs error_feedback=True "
+                             "(the velocity steps where the rank sends what it kept)")
         self.compressor = SparseCompressor(self.options)
+        self.last_update: Dict[int, torch.Tensor] = {}  # per module, u_{t-1} (with momentum)
         self.group = replicate_group
         self.keys = {id(p): key for key, p in enumerate(model.parameters())}
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -118,11 +136,24 @@ class SparseReplicas:
             raise RuntimeError(f"FSDP handed SparseReplicas a shard of {shard.numel()} entries where its parameters "
                                f"take {layout[-1][1] + layout[-1][2]}: a parameter without a gradient leaves the "
                                "shard; call module.set_reduce_scatter_unused_params(True) on such modules")
-        step = self.steps[index]
+        step, compressor = self.steps[index], self.compressor
         everything = step < self.options.warmup_steps
-        future = self.compressor.exchange(shard, layout, self.group, step=step, key=index,
-                                          density=1.0 if everything else self.options.density_at(step))
-        future.wait()  # FSDP reads the shard once the hook returns (on a GPU this orders its stream)
+        # the compressor's stages, as its exchange() runs them, with the velocity; FSDP reads the shard once
+        # the hook returns, so the collective is waited for here (on a GPU this orders the hook's stream)
+        marks = torch.where(torch.isfinite(shard).all(), 1.0, float("nan")).expand(len(layout))
+        pending = compressor.begin(shard, units_of(layout, "layer", index, shard.numel()),
+                                   starts_of(layout, shard.device), marks, key=index, layout=layout,
+                                   group=self.group, step=step, everything=everything,
+                                   density=1.0 if everything else self.options.density_at(step),
+                                   momentum=None if everything or not self.momentum else self.momentum)
+        compressor.send(pending)
+        discard, parts = compressor.unpack(pending)
+        compressor.finish(pending, parts, discard=discard)
+        if self.momentum and not everything:  # hand over u_t - m u_{t-1}; remember u_t (a discarded step: as before)
+            update, previous = shard.to(torch.float32, copy=True), self.last_update.get(index)
+            if previous is not None:
+                shard.sub_((previous * self.momentum).to(shard.dtype))
+            self.last_update[index] = torch.where(discard, 0.0 if previous is None else previous, update)
         self.steps[index] = step + 1
 
     # ----- checkpoints -----
@@ -132,9 +163,20 @@ class SparseReplicas:
         for layout in self.layouts:  # residuals not formed yet are zeros of their size, so a load has a place
             for key, _, numel in layout:
                 residuals.setdefault(key, torch.zeros(numel))
-        mine = {"steps": torch.tensor(self.steps, dtype=torch.int64), "residuals": {str(k): v for k, v in
-                                                                                    sorted(residuals.items())},
-                "config": self.options.describe(self.options.config_ints())}
+        velocities = self.compressor.velocities.state()
+        last_updates = dict(self.last_update)
+        for index, layout in enumerate(self.layouts):  # what is not formed yet: zeros of its size
+            numel = layout[-1][1] + layout[-1][2]
+            last_updates.setdefault(index, torch.zeros(numel))
+            for key, _, n in layout:
+                residuals.setdefault(key, torch.zeros(n))
+                velocities.setdefault(key, torch.zeros(n))
+        mine = {"steps": torch.tensor(self.steps, dtype=torch.int64),
+                "residuals": {str(k): v for k, v in sorted(residuals.items())},
+                "config": f"{self.options.describe(self.options.config_ints())}, momentum in sends={self.momentum}"}
+        if self.momentum:
+            mine["velocities"] = {str(k): v for k, v in sorted(velocities.items())}
+            mine["last_updates"] = {str(i): u for i, u in sorted(last_updates.items())}
         return {f"rank{dist.get_rank()}": mine}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -144,7 +186,7 @@ class SparseReplicas:
             raise ValueError(f"the SparseReplicas state holds {sorted(state_dict)} but not {key!r}: each rank "
                              "resumes its own residuals, so resume on the mesh that saved them")
         mine = state_dict[key]
-        config = self.options.describe(self.options.config_ints())
+        config = f"{self.options.describe(self.options.config_ints())}, momentum in sends={self.momentum}"
         if mine["config"] != config:
             raise ValueError(f"the SparseReplicas state was saved with {mine['config']} but this one has {config}; "
                              "build it with the saved options to resume")
@@ -154,6 +196,25 @@ class SparseReplicas:
                              f"{len(self.steps)}: it was saved from another model")
         self.steps = steps
         self.compressor.residuals.load({int(k): v for k, v in mine["residuals"].items()})
+        self.compressor.velocities.load({int(k): v for k, v in mine.get("velocities", {}).items()})
+        self.last_update = {int(i): u.clone() for i, u in mine.get("last_updates", {}).items() if int(steps[int(i)])}
+
+
+def _momentum_of(optimizer) -> float:
+    """The momentum ``optimizer`` (an SGD, or None) applies to every parameter; refuses several or another kind."""
+    if optimizer is None:
+        return 0.0
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise TypeError(f"`optimizer` must be the torch.optim.SGD that steps the model (its momentum is counted in "
+                        f"sends), or None, got {type(optimizer).__name__}")
+    values = {float(group["momentum"]) for group in optimizer.param_groups}
+    if len(values) != 1:
+        raise ValueError(f"`optimizer` has momenta {sorted(values)} in its parameter groups; SparseReplicas counts one "
+                         "momentum in sends for the whole model")
+    if any(group.get("nesterov") or group.get("dampening") for group in optimizer.param_groups):
+        raise ValueError("`optimizer` uses Nesterov momentum or dampening; SparseReplicas hands it u_t - m u_(t-1) "
+                         "so that its plain heavy-ball buffer holds u_t, which those would change")
+    return values.pop()
 
 
 def _inside(child: torch.nn.Module, parent: torch.nn.Module) -> bool:

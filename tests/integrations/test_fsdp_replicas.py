@@ -68,6 +68,24 @@ def test_sending_every_entry_is_fsdp2s_own_hsdp():
     assert max(run_distributed(_dense_equals_hsdp, 4, timeout=120)) < 1e-6
 
 
+def _momentum_in_sends_at_density_one(rank, world):
+    from ddp_hooks.integrations.fsdp import SparseReplicas
+
+    mesh = _mesh()
+    hsdp, ours = _sharded(mesh, None), _sharded(mesh, "shard")
+    hsdp_sgd, our_sgd = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (hsdp, ours))
+    SparseReplicas(ours, mesh.get_group("replicate"), optimizer=our_sgd, density=1.0, density_warmup_steps=0)
+    _train(hsdp, hsdp_sgd, rank, 0, 5)
+    _train(ours, our_sgd, rank, 0, 5)
+    return max((a.full_tensor() - b.full_tensor()).abs().max().item()
+               for a, b in zip(hsdp.parameters(), ours.parameters()))
+
+
+def test_momentum_in_sends_at_density_one_is_momentum_sgd_with_fsdp2s_hsdp():
+    # the velocity steps at every position, the replicas average it, the optimizer gets u_t - m u_(t-1)
+    assert max(run_distributed(_momentum_in_sends_at_density_one, 4, timeout=120)) < 1e-5
+
+
 def _sparse(rank, world, method, aggregation):
     from ddp_hooks.integrations.fsdp import SparseReplicas
 
@@ -96,29 +114,35 @@ def test_replicas_stay_equal_with_a_shard_of_the_residuals(method, aggregation):
 
 def _resume(rank, world, folder):
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from ddp_hooks.integrations.fsdp import SparseReplicas
 
     def build():
         mesh = _mesh()
         model = _sharded(mesh, "shard")
-        replicas = SparseReplicas(model, mesh.get_group("replicate"), method="random_block", density=0.1,
-                                  density_warmup_steps=0, value_dtype="float16")
-        return model, replicas, torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        replicas = SparseReplicas(model, mesh.get_group("replicate"), optimizer, method="random_block",
+                                  density=0.1, density_warmup_steps=0, value_dtype="float16")
+        return model, replicas, optimizer
+
+    def state(model, replicas, optimizer):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optimizer_state, "replicas": replicas.state_dict()}
 
     model, _, optimizer = build()
     _train(model, optimizer, rank, 0, 6)
     straight = _local(model)
     model, replicas, optimizer = build()
     _train(model, optimizer, rank, 0, 3)
-    dcp.save({"model": model.state_dict(), "replicas": replicas.state_dict()}, checkpoint_id=folder)
+    dcp.save(state(model, replicas, optimizer), checkpoint_id=folder)
     model, replicas, optimizer = build()
-    state = {"model": model.state_dict(), "replicas": replicas.state_dict()}
-    dcp.load(state, checkpoint_id=folder)
-    model.load_state_dict(state["model"])
-    replicas.load_state_dict(state["replicas"])
-    assert replicas.steps == [3, 3] and replicas.compressor.residuals.total() != 0
-    _train(model, optimizer, rank, 3, 6)  # (plain SGD: no optimizer state to save)
+    loaded = state(model, replicas, optimizer)
+    dcp.load(loaded, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    replicas.load_state_dict(loaded["replicas"])
+    assert replicas.steps == [3, 3] and replicas.compressor.residuals.total() != 0 and replicas.last_update
+    _train(model, optimizer, rank, 3, 6)
     return torch.equal(straight, _local(model))
 
 
@@ -133,3 +157,8 @@ def test_options_it_cannot_serve_are_refused():
         SparseReplicas(torch.nn.Linear(2, 2), None, momentum=0.9)
     with pytest.raises(ValueError, match="needs a model sharded by FSDP2"):
         SparseReplicas(torch.nn.Linear(2, 2), None)
+    linear = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="must be the torch.optim.SGD"):
+        SparseReplicas(linear, None, torch.optim.Adam(linear.parameters()))
+    with pytest.raises(ValueError, match="Nesterov"):
+        SparseReplicas(linear, None, torch.optim.SGD(linear.parameters(), lr=0.1, momentum=0.9, nesterov=True))
