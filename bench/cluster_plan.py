@@ -31,6 +31,10 @@ BANDWIDTHS = ("unshaped", "1gbit", "100mbit")  # the order of measurement: warm-
 LR = 1e-3  # timing only; small, so that no run drifts into inf/NaN arithmetic
 
 
+#: PyTorch's post-local SGD with its HierarchicalModelAverager (bench rows only: cluster_worker builds it)
+HIERARCHICAL_AVERAGER = "hierarchical_averager"
+
+
 @dataclass(frozen=True)
 class Method:
     """One configuration: a hook (``comm_setup.HOOKS``) with its options, and an optimizer."""
@@ -81,8 +85,8 @@ class Method:
 
     @property
     def step_multiple(self) -> int:
-        """Timed windows are whole multiples of this many steps: Local AdaAlter's period, else 1."""
-        return self.period if self.optimizer == "local_adaalter" else 1
+        """Timed windows are whole multiples of this many steps: a local method's period, else 1."""
+        return self.period if self.optimizer in ("local_adaalter", HIERARCHICAL_AVERAGER) else 1
 
     def recipe_args(self) -> argparse.Namespace:
         """The recipe's flags for ``comm_setup.build_exchange`` and ``build_optimizer``."""
@@ -202,6 +206,13 @@ def quick_plan() -> List[Run]:
     return [Run(2, "resnet20", small, shaped), Run(4, "resnet20", small, shaped)] + headline_plan()
 
 
+def hierarchical_averager(period: int, ranks_per_node: int) -> Method:
+    """PyTorch's local SGD with ``HierarchicalModelAverager``: the weights averaged inside each node every step
+    and over every rank every ``period`` steps (no gradient traffic once the hook's warm-up is over)."""
+    return Method(f"HierarchicalModelAverager, nodes of {ranks_per_node} every step, all every {period}", "local_sgd",
+                  optimizer=HIERARCHICAL_AVERAGER, period=period, ranks_per_node=ranks_per_node)
+
+
 def in_nodes(method: Method, ranks_per_node: int) -> Method:
     """``method`` dense inside nodes of ``ranks_per_node`` hosts and sparse between them."""
     return replace(method, label=f"{method.label}, nodes of {ranks_per_node}", ranks_per_node=ranks_per_node)
@@ -217,7 +228,8 @@ def nodes_plan() -> List[Run]:
     def sparse(ranks_per_node):
         return [flat_block, in_nodes(flat_block, ranks_per_node), flat_shared, in_nodes(flat_shared, ranks_per_node)]
 
-    return [Run(4, "resnet18", [ALLREDUCE, NOOP, POWERSGD[4]] + sparse(2), ("100mbit",), nodes=2),
+    return [Run(4, "resnet18", [ALLREDUCE, NOOP, POWERSGD[4], hierarchical_averager(8, 2)] + sparse(2), ("100mbit",),
+                nodes=2),
             Run(4, "resnet18", sparse(2), ("10mbit", "5mbit", "2mbit"), nodes=2),
             Run(8, "resnet18", sparse(4), ("1gbit",), nodes=2)]
 

@@ -57,7 +57,7 @@ sys.path.insert(0, HERE)
 
 from bench_models import build_bench_model, synthetic_batch  # noqa: E402
 from cluster_control import RankControl  # noqa: E402
-from cluster_plan import Method  # noqa: E402
+from cluster_plan import HIERARCHICAL_AVERAGER, LR, Method  # noqa: E402
 from comm_setup import build_exchange, build_optimizer  # noqa: E402
 
 PHASES = ("forward", "backward", "exchange", "compression", "optimizer")
@@ -109,16 +109,19 @@ class MethodBench:
         self.ddp = DistributedDataParallel(build_bench_model(model, width=width))
         args = method.recipe_args()
         self.exchange = build_exchange(args)
-        self.optimizer = build_optimizer(args, self.ddp.parameters(), self.exchange)
+        if method.optimizer == HIERARCHICAL_AVERAGER:
+            self.optimizer = hierarchical_averager(self.ddp.parameters(), method)
+        else:
+            self.optimizer = build_optimizer(args, self.ddp.parameters(), self.exchange)
         if method.group_per_bucket:
             self.exchange.wrap_hook(bucket_groups.wrap)
         self.exchange.register(self.ddp)
         self.images, self.labels = images, labels
         self.averaging_s = 0.0
         averager = getattr(self.optimizer, "averager", None)
-        if averager is not None:  # Local AdaAlter: time its synchronisation (bytes are counted already)
-            owners = [(averager, "synchronise_")]
-            if averager.sparse is not None:  # the accumulators' sparse exchange runs beside synchronise_
+        if averager is not None:  # Local AdaAlter, PyTorch's averagers: time their averaging
+            owners = [(averager, "synchronise_" if hasattr(averager, "synchronise_") else "average_parameters")]
+            if getattr(averager, "sparse", None) is not None:  # the accumulators' exchange runs beside synchronise_
                 owners.append((averager.sparse, "mean_accumulators_"))
             for owner, name in owners:
                 def timed(*args, _call=getattr(owner, name), **kwargs):
@@ -179,6 +182,19 @@ class MethodBench:
         slow = None if uplinks is None else sum(b - a for a, b in zip(before, uplinks()))
         return {"seconds": seconds, "slow_link": slow, "steps": total, "step_times": step_times, "tx": _tx_bytes(self.ifname) - tx0,
                 "sent": self.exchange.bytes_sent - sent0, "dense": self.exchange.bytes_dense - dense0, **sums}
+
+
+def hierarchical_averager(params, method: Method) -> torch.optim.Optimizer:
+    """PyTorch's ``PostLocalSGDOptimizer`` over SGD with a ``HierarchicalModelAverager``: the weights averaged
+    over each node's ranks every step and over every rank every ``method.period`` steps (its own allreduces,
+    which the hook's byte counter does not see: the wire counters do)."""
+    from collections import OrderedDict
+
+    from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    periods = OrderedDict([(1, method.ranks_per_node), (method.period, dist.get_world_size())])
+    return PostLocalSGDOptimizer(torch.optim.SGD(params, lr=LR), HierarchicalModelAverager(periods, warmup_steps=0))
 
 
 def combine(per_rank: List[dict]) -> dict:

@@ -311,6 +311,7 @@ def test_plans_by_host_and_node_count():
     plan = bench_cluster.build_plan(bench_cluster.parse_args(["--nodes"]))
     assert list(plan) == [(4, 2), (8, 2)]
     assert [m.ranks_per_node for m in plan[8, 2][0].methods] == [0, 4, 0, 4]
+    assert plan[4, 2][0].methods[3].optimizer == cluster_plan.HIERARCHICAL_AVERAGER
     assert tuple(run.bandwidths) == ("1gbit", "100mbit")
     with pytest.raises(SystemExit):
         bench_cluster.parse_args(["--headline", "--summary-methods"])
@@ -453,12 +454,12 @@ def _worker_body(rank, world_size):
     import torch
 
     import cluster_worker
-    from cluster_plan import ADAALTER, ALLREDUCE, POWERSGD, in_nodes, sparsifier
+    from cluster_plan import ADAALTER, ALLREDUCE, POWERSGD, hierarchical_averager, in_nodes, sparsifier
 
     images, labels = torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,))
     out, groups = {}, cluster_worker.PerBucketGroups()
     for method in (ALLREDUCE, POWERSGD[1], sparsifier("topk", 0.1, "global", "allgather"), ADAALTER[4],
-                   in_nodes(sparsifier("random_block", 0.1, "layer", "allreduce"), 2)):
+                   in_nodes(sparsifier("random_block", 0.1, "layer", "allreduce"), 2), hierarchical_averager(2, 1)):
         bench = cluster_worker.MethodBench(method, "resnet20", images, labels, "lo", groups)
         for _ in range(method.untimed_steps):
             bench.step()
@@ -479,7 +480,8 @@ def test_worker_windows_count_steps_bytes_and_phases():
         assert all(window[p] >= 0 for p in ("forward", "backward", "exchange", "compression", "optimizer")), label
         assert phases <= window["seconds"], label
         assert len(window["step_times"]) == window["steps"]
-        assert window["tx"] >= window["sent"] > 0, label  # loopback carries at least this rank's payload
+        if not label.startswith("HierarchicalModelAverager"):  # (its allreduces are not the hook's: below)
+            assert window["tx"] >= window["sent"] > 0, label  # loopback carries at least this rank's payload
     allreduce, params = results[0]["allreduce hook"]
     assert allreduce["steps"] == 2 and allreduce["sent"] == 2 * 4 * params  # two dense float32 steps
     adaalter, _ = results[0]["Local AdaAlter H=4"]
@@ -490,6 +492,9 @@ def test_worker_windows_count_steps_bytes_and_phases():
     # one node of both ranks: each sends 0.1 of its half (to itself); dense is the whole gradient
     hierarchical, _ = results[0]["random-block, nodes of 2"]
     assert 0 < hierarchical["sent"] < hierarchical["dense"] / 10
+    # PyTorch's averager: whole periods; its allreduces are on the wire, not in the hook's counter
+    averager, _ = results[0]["HierarchicalModelAverager, nodes of 1 every step, all every 2"]
+    assert averager["steps"] % 2 == 0 and averager["sent"] == 0 and averager["tx"] > 4 * params
 
 
 def test_nodes_report_judges_each_target():
