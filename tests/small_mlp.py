@@ -41,8 +41,8 @@ def last_update_dense(state, model):
     parts = []
     for key, p in enumerate(model.parameters()):
         dense = torch.zeros(p.numel())
-        if key in saved["positions"]:
-            dense[saved["positions"][key]] = saved["values"][key]
+        if key in saved["positions"]:  # (a position's repeats hold 0: summing keeps its value)
+            dense.index_put_((saved["positions"][key],), saved["values"][key], accumulate=True)
         parts.append(dense)
     return torch.cat(parts)
 

@@ -265,6 +265,7 @@ def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Op
     if host_reads_free(discard.device):
         forgotten_if = None
         applied = not any(update is not None for _, update, _, _ in exchanges) or not bool(discard)
+    written_by_bucket = []  # with nodes: the positions each bucket's shard holds values at
     for (pending, update, result_vector, global_buffers), (_, parts) in zip(exchanges, arrived):
         target = None  # the gradient itself, zeroed once folded, or the vector kept at zero
         if result_vector is not None:
@@ -276,11 +277,14 @@ def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Op
                                      whole=pending.dense, discard=forgotten_if)
         if result_vector is not None:
             result_vector.written = written
+        written_by_bucket.append(None if pending.dense else written)
         if global_buffers is not None:
             for buffer, chunk in zip(global_buffers, pending.grad.split([b.numel() for b in global_buffers])):
                 buffer.copy_(chunk)
-    for node_shard in in_node:
-        node_shard.start_gather(nodes)
+    if len(written_by_bucket) != len(in_node):  # (scope="global": one exchange for every bucket's shard)
+        written_by_bucket = [None] * len(in_node)
+    for node_shard, written in zip(in_node, written_by_bucket):
+        node_shard.start_gather(nodes, written)
     for node_shard in in_node:
         node_shard.spread()
 

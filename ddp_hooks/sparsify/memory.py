@@ -52,7 +52,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .selectors.draws import first_draws
 
 __all__ = ["Layout", "GLOBAL_BUCKET", "BucketLayouts", "ResidualStore", "LastUpdates", "SparseOutput", "SparseOutputs", "ScratchMemory",
            "NonfiniteSteps", "every_position", "gather", "put", "zero_at", "owners"]
@@ -333,9 +332,8 @@ class LastUpdates:
         layout, (positions, values, _) = self._by_bucket.pop(bucket_index)
         if not positions.numel():
             return
-        first = first_draws(positions, max(offset + n for _, offset, n in layout))
-        if not bool(first.all()):  # a position's repeats hold 0: keep its first entry, which holds its value
-            positions, values = positions[first], values[first]
+        # (a position's repeats, which hold 0, stay: the count of entries is then the same on every rank of a
+        # node, whose shards all have pieces of the same sizes, and the node gathers them at once)
         starts = torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=positions.device)
         owner = owners(starts, positions, positions.numel(), whole=False)
         for i, (key, offset, _) in enumerate(layout):

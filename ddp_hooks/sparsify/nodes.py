@@ -14,7 +14,9 @@ local rank ``j`` of a node owns the ``j``-th piece of every parameter, its
    ``N`` ranks of local rank ``j``, one per node, with this rank's residual on
    its shard: :math:`\hat s_j = \tfrac1N \sum_{\text{nodes}} C(s_j + e_j)`;
 3. **gather** inside the node: an all-gather of the :math:`\hat s_j`, laid
-   back out into the bucket.
+   back out into the bucket: of the entries the exchange wrote (positions
+   and values; every rank of a node holds as many, its pieces being the same
+   sizes), or of the whole shard where that is fewer bytes.
 
 So every rank receives the mean over all ``W`` ranks of what the nodes sent,
 each rank sends ``density * n / L`` entries over the slow link (a flat
@@ -189,12 +191,13 @@ class Shardings:
 class NodeShard:
     """One bucket inside its node: the reduce-scatter into this rank's shard, then the all-gather back."""
 
-    __slots__ = ("index", "bucket", "sharding", "shard", "decay", "work")
+    __slots__ = ("index", "bucket", "sharding", "shard", "decay", "work", "entries")
 
     def __init__(self, index: int, bucket: torch.Tensor, sharding: Sharding, decay: Optional[torch.Tensor],
                  nodes: Nodes) -> None:
         """Start the reduce-scatter of ``bucket / L`` (``decay``, the hook's ``wd * x``, is cut alike)."""
         self.index, self.bucket, self.sharding = index, bucket, sharding
+        self.entries: Optional[tuple] = None  # a sparse gather's (arrival, count), or None
         j, n = nodes.local_rank, sharding.numel
         padded = sharding.padded
         padded.index_copy_(0, sharding.destination, bucket)
@@ -211,14 +214,34 @@ class NodeShard:
         self.work.wait()
         return self.shard
 
-    def start_gather(self, nodes: Nodes) -> None:
-        """All-gather every rank's result shard inside the node."""
-        self.work = _all_gather(self.sharding.gathered, self.shard, nodes.intra)
+    def start_gather(self, nodes: Nodes, written: Optional[List[torch.Tensor]] = None) -> None:
+        """All-gather every rank's result shard inside the node: only the entries at ``written`` (the
+        positions the exchange wrote; the shard is zero elsewhere) where that moves fewer bytes, else whole."""
+        shard, self.entries = self.shard, None
+        count = 0 if written is None else sum(p.numel() for p in written)
+        if written is None or count * (shard.element_size() + 4) >= shard.numel() * shard.element_size():
+            self.work = _all_gather(self.sharding.gathered, shard, nodes.intra)
+            return
+        positions = written[0] if len(written) == 1 else torch.cat(written)
+        payload = torch.cat([shard.index_select(0, positions).view(torch.uint8),
+                             positions.to(torch.int32).view(torch.uint8)])  # (a shard is < 2**31 entries)
+        arrival = torch.empty(nodes.size, payload.numel(), dtype=torch.uint8, device=shard.device)
+        self.entries = (arrival, count)
+        self.work = _all_gather(arrival.view(-1), payload, nodes.intra)
 
     def spread(self) -> torch.Tensor:
         """Once gathered, the node's result laid out back into the bucket."""
         self.work.wait()
-        return torch.index_select(self.sharding.gathered, 0, self.sharding.destination, out=self.bucket)
+        gathered, n = self.sharding.gathered, self.sharding.numel
+        if self.entries is not None:  # each rank's values at its positions, into its shard's place
+            arrival, count = self.entries
+            value_bytes = count * self.shard.element_size()
+            values = arrival[:, :value_bytes].reshape(-1).view(self.shard.dtype)
+            # clone(): a row's position bytes need not start at a multiple of 4
+            positions = arrival[:, value_bytes:].clone().view(torch.int32).long()
+            positions += torch.arange(arrival.shape[0], device=positions.device).unsqueeze(1) * n
+            gathered.zero_().scatter_(0, positions.reshape(-1), values)
+        return torch.index_select(gathered, 0, self.sharding.destination, out=self.bucket)
 
 
 def agree_in_node(discard: torch.Tensor, nodes: Nodes) -> torch.Tensor:
