@@ -15,8 +15,8 @@ local rank ``j`` of a node owns the ``j``-th piece of every parameter, its
    its shard: :math:`\hat s_j = \tfrac1N \sum_{\text{nodes}} C(s_j + e_j)`;
 3. **gather** inside the node: an all-gather of the :math:`\hat s_j`, laid
    back out into the bucket: of the entries the exchange wrote (positions
-   and values; every rank of a node holds as many, its pieces being the same
-   sizes), or of the whole shard where that is fewer bytes.
+   and values), where every rank of the node holds as many (its pieces have
+   the same sizes and budgets) and that is fewer bytes, else of the shards.
 
 So every rank receives the mean over all ``W`` ranks of what the nodes sent,
 each rank sends ``density * n / L`` entries over the slow link (a flat

@@ -249,3 +249,27 @@ def test_the_loss_falls_and_the_slow_link_carries_density_over_ranks_per_node():
         assert last < 0.5 * first
         # per rank, against a flat dense allreduce: density 0.1 of 1/2 of the entries (plus budgets rounded up)
         assert 14 < ratio <= 20, ratio
+
+
+def _sparse_and_dense_gathers(rank, world, combo):
+    from ddp_hooks.sparsify import nodes
+
+    def weights():  # momentum SGD, its momentum counted in sends: the written entries include u_(t-1)'s
+        model, optimizer, _ = _build(2, *combo)
+        _train(rank, model, optimizer, 0, 5)
+        return flat(model.parameters())
+
+    sparse = weights()
+    whole = nodes.NodeShard.start_gather
+    nodes.NodeShard.start_gather = lambda self, group, written=None: whole(self, group, None)
+    try:
+        dense = weights()
+    finally:
+        nodes.NodeShard.start_gather = whole
+    return torch.equal(sparse, dense)
+
+
+@pytest.mark.parametrize("combo", [("random_block", "layer", "allreduce"), ("topk", "layer", "allgather"),
+                                   ("topk", "bucket", "allgather")])  # (bucket scope: the whole shards, below)
+def test_gathering_the_written_entries_equals_gathering_the_whole_shards(combo):
+    assert run_distributed(_sparse_and_dense_gathers, 4, combo, timeout=120) == [True] * 4
