@@ -150,14 +150,15 @@ class Sharding:
                                                                                        pieces))
         self.numel = shard_numel
         self.starts = torch.tensor(shard_offsets, dtype=torch.int64, device=device)
-        destination = []
+        destination, end = [], 0
         for (key, offset, n), shard_offset, c in zip(bucket_layout, shard_offsets, pieces):
-            if offset != sum(d.numel() for d in destination):
+            if offset != end:
                 raise RuntimeError(f"the bucket's parameters are not laid out end to end (parameter #{key} at "
                                    f"offset {offset}): the hierarchical exchange cannot cut it into shards")
             entry = torch.arange(n, dtype=torch.int64)
             destination.append((entry // c) * shard_numel + shard_offset + entry % c if c else entry)
-        if sum(d.numel() for d in destination) != bucket_numel:
+            end += n
+        if end != bucket_numel:
             raise RuntimeError(f"the bucket holds {bucket_numel} entries but its parameters "
                                f"{sum(n for _, _, n in bucket_layout)}: it cannot be cut into shards")
         self.destination = torch.cat(destination).to(device) if destination else torch.zeros(0, dtype=torch.int64)
