@@ -89,16 +89,18 @@ class SparseReplicas:
         self.options = SparsifyOptions(**options)
         self.momentum = _momentum_of(optimizer)
         if self.momentum and not self.options.error_feedback:
-            raise ValueError("SparseReplicas counts the optimizer's momentum in sends, which needs error_feedback=True "
-                             "(the velocity steps where the rank sends what it kept)")
+            raise ValueError(f"`error_feedback`=False with `optimizer` of momentum {self.momentum}: SparseReplicas "
+                             "counts the optimizer's momentum in sends, which needs error feedback (the velocity "
+                             "steps where the rank sends what it kept)")
         self.compressor = SparseCompressor(self.options)
         self.last_update: Dict[int, torch.Tensor] = {}  # per module, u_{t-1} (with momentum)
         self.group = replicate_group
         self.keys = {id(p): key for key, p in enumerate(model.parameters())}
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if not sharded:
-            raise ValueError("SparseReplicas needs a model sharded by FSDP2: call fully_shard(module, "
-                             "mesh=mesh['shard']) on its blocks and on the model first")
+            raise ValueError(f"SparseReplicas needs a model sharded by FSDP2, got a {type(model).__name__} without "
+                             "FSDP2 modules: call fully_shard(module, mesh=mesh['shard']) on its blocks and on the "
+                             "model first")
         self.layouts: List[Layout] = []
         self.steps: List[int] = []
         for module in sharded:
@@ -152,6 +154,7 @@ class SparseReplicas:
         if self.momentum and not everything:  # hand over u_t - m u_{t-1}; remember u_t (a discarded step: as before)
             update, previous = shard.to(torch.float32, copy=True), self.last_update.get(index)
             if previous is not None:
+                previous = previous.to(shard.device)  # (loaded on the CPU; a no-op once in place)
                 shard.sub_((previous * self.momentum).to(shard.dtype))
             self.last_update[index] = torch.where(discard, 0.0 if previous is None else previous, update)
         self.steps[index] = step + 1
@@ -211,9 +214,11 @@ def _momentum_of(optimizer) -> float:
     if len(values) != 1:
         raise ValueError(f"`optimizer` has momenta {sorted(values)} in its parameter groups; SparseReplicas counts one "
                          "momentum in sends for the whole model")
-    if any(group.get("nesterov") or group.get("dampening") for group in optimizer.param_groups):
-        raise ValueError("`optimizer` uses Nesterov momentum or dampening; SparseReplicas hands it u_t - m u_(t-1) "
-                         "so that its plain heavy-ball buffer holds u_t, which those would change")
+    for group in optimizer.param_groups:
+        if group.get("nesterov") or group.get("dampening"):
+            raise ValueError(f"`optimizer` has nesterov={group.get('nesterov')}, dampening={group.get('dampening')}; "
+                             "SparseReplicas hands it u_t - m u_(t-1) so that its plain heavy-ball buffer holds u_t, "
+                             "which those would change: use nesterov=False, dampening=0")
     return values.pop()
 
 

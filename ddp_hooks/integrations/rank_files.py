@@ -65,13 +65,19 @@ class RankFiles:
         """This rank's saved entry (``state`` and the ``extra`` entries), refusing another world size."""
         path = self.path(folder)
         if not os.path.isfile(path):
+            world_size, _ = world_size_and_rank(self.group)
             others = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, f"{self.name}-rank*.pt")))
-            raise FileNotFoundError(
-                f"{path} does not exist" + (f"; the folder holds {others[:3]}{' ...' if len(others) > 3 else ''}: "
-                                            "the states were saved at another world size, and each rank resumes "
-                                            "its own, so resume at the world size that saved them" if others else
-                                            ": the hook's residuals would restart at zero; resume from a "
-                                            "checkpoint saved with per-rank files"))
+            listed = f"; the folder holds {others[:3]}{' ...' if len(others) > 3 else ''}"
+            if not others:
+                why = (": the hook's residuals would restart at zero; resume from a checkpoint saved with "
+                       "per-rank files")
+            elif not any(name.endswith(f"-of-{world_size}.pt") for name in others):
+                why = (listed + ": the states were saved at another world size, and each rank resumes its own, "
+                       "so resume at the world size that saved them")
+            else:
+                why = (listed + ", but not this rank's: every rank must reach the folder it saved to (a shared "
+                       "file system), and each must have saved")
+            raise FileNotFoundError(f"{path} does not exist{why}")
         return torch.load(path, map_location="cpu", weights_only=True)
 
     def load(self, folder: str) -> None:

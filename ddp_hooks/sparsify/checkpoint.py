@@ -47,6 +47,7 @@ class Loaded(NamedTuple):
     world_size: int
     keys: Optional[Set[int]]  # None once checked
     ranks_per_node: int = 0  # 0: saved by a flat exchange
+    local_rank: int = 0  # with nodes: which piece of every parameter the residuals are
 
 
 def state_dict_of(state) -> Dict[str, Any]:
@@ -60,8 +61,9 @@ def state_dict_of(state) -> Dict[str, Any]:
         "config": state.options.config_ints(),
         "rank": 0 if where is None else where.rank,
         "world_size": 1 if where is None else where.world_size,
-        # with nodes, residuals are this rank's piece of each parameter: 1 / ranks_per_node of it
-        "ranks_per_node": _ranks_per_node(state),
+        # with nodes, residuals are this rank's piece of each parameter: piece local_rank of ranks_per_node
+        "ranks_per_node": _piece(state)[0],
+        "local_rank": _piece(state)[1],
         "residuals": state.residuals.state() if state.options.error_feedback else {},
         "velocities": state.velocities.state() if state.runs_velocity else {},
         "stats": state.counters.state_dict(),
@@ -114,7 +116,8 @@ def load_into(state, state_dict: Dict[str, Any], *, residuals: bool = True) -> N
     if residuals:
         state.loaded = Loaded(rank=state_dict["rank"], world_size=state_dict["world_size"],
                               keys={int(k) for k in state_dict["residuals"]},
-                              ranks_per_node=state_dict.get("ranks_per_node", 0))
+                              ranks_per_node=state_dict.get("ranks_per_node", 0),
+                              local_rank=state_dict.get("local_rank", 0))
     if state.binding is not None:
         check_loaded_rank(state)
 
@@ -134,15 +137,16 @@ def check_loaded_rank(state) -> None:
     if loaded.rank != binding.rank:
         raise ValueError(f"rank {binding.rank} loaded the hook state saved by rank {loaded.rank}: "
                          "each rank must load its own file, since residuals differ per rank")
-    if loaded.ranks_per_node != _ranks_per_node(state):
-        def nodes(size):
-            return "a flat exchange (nodes=None)" if not size else f"nodes of {size} ranks"
+    if (loaded.ranks_per_node, loaded.local_rank) != _piece(state):
+        def nodes(size, local_rank):
+            return "a flat exchange (nodes=None)" if not size else \
+                f"nodes of {size} ranks, this rank {local_rank} in its node"
 
         raise ValueError(
-            f"the hook state was saved with {nodes(loaded.ranks_per_node)} but this run has "
-            f"{nodes(_ranks_per_node(state))}: with nodes each rank keeps the residuals of its own piece of every "
-            "parameter, cut by the ranks per node; resume with the same nodes, or drop the residuals with "
-            "load_state_dict(sd, residuals=False)"
+            f"the hook state was saved with {nodes(loaded.ranks_per_node, loaded.local_rank)} but this run has "
+            f"{nodes(*_piece(state))}: with nodes each rank keeps the residuals of its own piece of every "
+            "parameter, cut by the ranks per node and chosen by its place in the node; resume with the same "
+            "nodes, or drop the residuals with load_state_dict(sd, residuals=False)"
         )
 
 
@@ -165,9 +169,12 @@ def check_loaded_keys(state, compressed: bool) -> None:
         state.loaded = loaded._replace(keys=None)  # checked once, at the first compressed step after loading
 
 
-def _ranks_per_node(state) -> int:
-    """L with nodes (0 for a flat exchange), as bound, or as loaded before binding."""
+def _piece(state) -> tuple:
+    """``(L, j)``: with nodes, piece ``j`` of ``L`` of every parameter is this rank's ((0, 0): flat), as bound,
+    or as loaded before binding."""
     if state.binding is not None:
         nodes = state.binding.nodes
-        return 0 if nodes is None or nodes.size == 1 else nodes.size  # (one rank per node: the flat layout)
-    return 0 if state.loaded is None else state.loaded.ranks_per_node
+        if nodes is None or nodes.size == 1:  # (one rank per node: the flat layout)
+            return 0, 0
+        return nodes.size, nodes.local_rank
+    return (0, 0) if state.loaded is None else (state.loaded.ranks_per_node, state.loaded.local_rank)

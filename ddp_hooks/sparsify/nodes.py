@@ -35,6 +35,7 @@ Example (which ranks form the nodes; :func:`node_groups` makes their groups)::
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -42,8 +43,8 @@ import torch.distributed as dist
 
 from .memory import Layout
 
-__all__ = ["Nodes", "NodeSpec", "check_node_spec", "node_ranks", "node_groups", "Sharding", "Shardings",
-           "NodeShard", "agree_in_node"]
+__all__ = ["Nodes", "NodeSpec", "check_node_spec", "node_ranks", "nodes_code", "node_groups", "Sharding",
+           "Shardings", "NodeShard", "agree_in_node"]
 
 #: What ``SparsifyState(nodes=...)`` takes: None (flat), "local" (``LOCAL_WORLD_SIZE`` ranks per node),
 #: an int (ranks per node, consecutive), or the ranks of each node.
@@ -74,10 +75,12 @@ def check_node_spec(nodes: NodeSpec) -> NodeSpec:
             raise ValueError(f"`nodes` as ranks per node must be >= 1, got {nodes}; {_WHY}")
         return nodes
     try:
-        groups = [[int(r) for r in node] for node in nodes]
+        groups = [list(node) for node in nodes]
     except TypeError:
         raise TypeError(f"`nodes` must be None, 'local', an int or a list of each node's ranks, got {nodes!r} of "
                         f"type {type(nodes).__name__}; {_WHY}") from None
+    if not all(isinstance(r, int) and not isinstance(r, bool) for node in groups for r in node):
+        raise TypeError(f"`nodes` as each node's ranks must hold ints, got {nodes!r}; {_WHY}")
     sizes = {len(node) for node in groups}
     if not groups or len(sizes) != 1 or 0 in sizes:
         raise ValueError(f"`nodes` must list nodes of one size, at least one rank each, got sizes "
@@ -108,14 +111,23 @@ def node_ranks(nodes: NodeSpec, world_size: int) -> List[List[int]]:
     return groups
 
 
+def nodes_code(ranks: List[List[int]]) -> int:
+    """A number that differs between two groupings of the ranks into nodes (for the cross-rank check).
+
+    >>> nodes_code([[0, 1], [2, 3]]) != nodes_code([[0, 2], [1, 3]])
+    True
+    """
+    return zlib.crc32(repr([list(node) for node in ranks]).encode())
+
+
 def node_groups(nodes: NodeSpec, group) -> Nodes:
     """Make the node's group and the cross-node group of this rank; every rank calls it, in the same order.
 
     ``group`` must be the default group: the nodes name its ranks.
     """
     if group is not dist.group.WORLD:
-        raise ValueError("SparsifyState(nodes=...) needs the default process group (process_group=None): the "
-                         "nodes name global ranks, and their groups are made from the default group")
+        raise ValueError(f"SparsifyState(nodes=...) needs the default process group (process_group=None), got "
+                         f"{group!r}: the nodes name global ranks, and their groups are made from the default group")
     world, rank = dist.get_world_size(), dist.get_rank()
     ranks = node_ranks(nodes, world)
     intra = inter = None

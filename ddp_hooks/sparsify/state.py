@@ -18,7 +18,7 @@ from ..stats import CommStats
 from . import checkpoint
 from .compressor import SparseCompressor
 from .memory import BucketLayouts, LastUpdates, Layout, NonfiniteSteps, ResidualStore, SparseOutputs
-from .nodes import NodeSpec, Shardings, check_node_spec, node_groups, node_ranks
+from .nodes import Nodes, NodeSpec, Shardings, check_node_spec, node_groups, node_ranks, nodes_code
 from .momenta import OptimizerMomenta, refresh_momenta, velocity_momentum, velocity_runs, watch_first_step
 from .options import OPTION_NAMES, SparsifyOptions
 
@@ -230,10 +230,12 @@ class SparsifyState:
         world_size = dist.get_world_size(group)
         # one small allgather at the first step: every rank fails alike on a mismatch
         settings = {**self.options.config_ints(), "grad_scaler": int(self.grad_scaler is not None),
-                    "ranks_per_node": 0 if self.nodes is None else len(node_ranks(self.nodes, world_size)[0])}
+                    "ranks_per_node": 0 if self.nodes is None else len(node_ranks(self.nodes, world_size)[0]),
+                    "node_ranks": 0 if self.nodes is None else nodes_code(node_ranks(self.nodes, world_size))}
 
         def describe(s):
-            nodes = "None (flat)" if not s["ranks_per_node"] else f"{s['ranks_per_node']} ranks per node"
+            nodes = "None (flat)" if not s["ranks_per_node"] else \
+                f"{s['ranks_per_node']} ranks per node (their lists' code {s['node_ranks']})"
             return (f"{self.options.describe(s)}, grad_scaler={'given' if s['grad_scaler'] else 'None'}, "
                     f"nodes={nodes}")
 

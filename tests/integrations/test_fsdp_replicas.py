@@ -160,5 +160,5 @@ def test_options_it_cannot_serve_are_refused():
     linear = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match="must be the torch.optim.SGD"):
         SparseReplicas(linear, None, torch.optim.Adam(linear.parameters()))
-    with pytest.raises(ValueError, match="Nesterov"):
+    with pytest.raises(ValueError, match="nesterov=True, dampening=0"):
         SparseReplicas(linear, None, torch.optim.SGD(linear.parameters(), lr=0.1, momentum=0.9, nesterov=True))

@@ -32,6 +32,7 @@ def test_node_ranks_from_an_int_a_list_and_local_world_size(monkeypatch):
 @pytest.mark.parametrize("bad, error, words", [
     (0, ValueError, ">= 1"), ("nodes", ValueError, "'local'"), (True, ValueError, "'local'"),
     (((0, 1), (2,)), ValueError, "one size"), (((0, 1), (1, 2)), ValueError, "twice"), (2.5, TypeError, "float"),
+    (((0, 1.5),), TypeError, "must hold ints"),
 ])
 def test_bad_nodes_are_refused_before_any_process_group(bad, error, words):
     with pytest.raises(error, match=words):
@@ -195,22 +196,29 @@ def _other_nodes(rank, world, saved_nodes, resumed_nodes):
 
 
 @pytest.mark.parametrize("saved, resumed, words", [
-    (2, 4, "saved with nodes of 2 ranks but this run has nodes of 4 ranks"),
+    (2, 4, "saved with nodes of 2 ranks, this rank .* in its node but this run has nodes of 4 ranks"),
     (None, 2, "saved with a flat exchange"),
+    # the same sizes, other places: rank 1 holds piece 1 under nodes=2, piece 0 under ((0, 2), (1, 3))
+    (2, ((0, 2), (1, 3)), "this rank 1 in its node but this run has nodes of 2 ranks, this rank 0 in its node"),
 ])
 def test_state_saved_with_other_nodes_is_refused(saved, resumed, words):
     with pytest.raises(ValueError, match=words):
         run_distributed(_other_nodes, 4, saved, resumed, timeout=120)
 
 
-def _different_nodes(rank, world):
-    model, optimizer, _ = _build(2 if rank else 4)
+def _different_nodes(rank, world, first, others):
+    model, optimizer, _ = _build(others if rank else first)
     _train(rank, model, optimizer, 0, 1)
 
 
-def test_ranks_with_different_nodes_all_raise_the_same_error():
-    with pytest.raises(ValueError, match="rank 0 has .*nodes=4 ranks per node but rank 1 has .*nodes=2 ranks"):
-        run_distributed(_different_nodes, 4, timeout=120)
+@pytest.mark.parametrize("first, others, words", [
+    (4, 2, "rank 0 has .*nodes=4 ranks per node.* but rank 1 has .*nodes=2 ranks"),
+    (2, ((0, 2), (1, 3)), r"rank 0 has .*nodes=2 ranks per node \(their lists' code \d+\) but rank 1 has .*nodes=2 ranks "
+                          r"per node \(their lists' code \d+\)"),  # the same size, other members: no group is made
+])
+def test_ranks_with_different_nodes_all_raise_the_same_error(first, others, words):
+    with pytest.raises(ValueError, match=words):
+        run_distributed(_different_nodes, 4, first, others, timeout=120)
 
 
 def _nonfinite(rank, world):
@@ -251,25 +259,35 @@ def test_the_loss_falls_and_the_slow_link_carries_density_over_ranks_per_node():
         assert 14 < ratio <= 20, ratio
 
 
-def _sparse_and_dense_gathers(rank, world, combo):
+def _sparse_and_dense_gathers(rank, world, combo, options):
     from ddp_hooks.sparsify import nodes
 
-    def weights():  # momentum SGD, its momentum counted in sends: the written entries include u_(t-1)'s
-        model, optimizer, _ = _build(2, *combo)
+    def weights():  # momentum SGD (by default counted in sends: the written entries include u_(t-1)'s)
+        model, optimizer, _ = _build(2, *combo, **options)
         _train(rank, model, optimizer, 0, 5)
         return flat(model.parameters())
 
-    sparse = weights()
-    whole = nodes.NodeShard.start_gather
-    nodes.NodeShard.start_gather = lambda self, group, written=None: whole(self, group, None)
+    whole, sparse_gathers = nodes.NodeShard.start_gather, []
+
+    def counting(self, group, written=None):
+        whole(self, group, written)
+        sparse_gathers.append(self.entries is not None)
+
+    nodes.NodeShard.start_gather = counting
     try:
+        sparse = weights()
+        nodes.NodeShard.start_gather = lambda self, group, written=None: whole(self, group, None)
         dense = weights()
     finally:
         nodes.NodeShard.start_gather = whole
-    return torch.equal(sparse, dense)
+    return torch.equal(sparse, dense), sum(sparse_gathers)
 
 
-@pytest.mark.parametrize("combo", [("random_block", "layer", "allreduce"), ("topk", "layer", "allgather"),
-                                   ("topk", "bucket", "allgather")])  # (bucket scope: the whole shards, below)
-def test_gathering_the_written_entries_equals_gathering_the_whole_shards(combo):
-    assert run_distributed(_sparse_and_dense_gathers, 4, combo, timeout=120) == [True] * 4
+@pytest.mark.parametrize("combo, options", [
+    (("random_block", "layer", "allreduce"), {}), (("topk", "layer", "allgather"), {}),
+    # bucket scope with the momentum counted in sends gathers whole shards; in steps, the written entries
+    (("topk", "bucket", "allgather"), {"optimizer_momentum": "steps"}),
+])
+def test_gathering_the_written_entries_equals_gathering_the_whole_shards(combo, options):
+    for equal, sparse_gathers in run_distributed(_sparse_and_dense_gathers, 4, combo, options, timeout=120):
+        assert equal and sparse_gathers > 0
