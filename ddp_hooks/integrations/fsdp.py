@@ -54,7 +54,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from ..sparsify.compressor import SparseCompressor, starts_of, units_of
+from ..sparsify.compressor import SparseCompressor
 from ..sparsify.memory import Layout
 from ..sparsify.options import SparsifyOptions
 
@@ -138,20 +138,15 @@ class SparseReplicas:
             raise RuntimeError(f"FSDP handed SparseReplicas a shard of {shard.numel()} entries where its parameters "
                                f"take {layout[-1][1] + layout[-1][2]}: a parameter without a gradient leaves the "
                                "shard; call module.set_reduce_scatter_unused_params(True) on such modules")
-        step, compressor = self.steps[index], self.compressor
+        step = self.steps[index]
         everything = step < self.options.warmup_steps
-        # the compressor's stages, as its exchange() runs them, with the velocity; FSDP reads the shard once
-        # the hook returns, so the collective is waited for here (on a GPU this orders the hook's stream)
-        marks = torch.where(torch.isfinite(shard).all(), 1.0, float("nan")).expand(len(layout))
-        pending = compressor.begin(shard, units_of(layout, "layer", index, shard.numel()),
-                                   starts_of(layout, shard.device), marks, key=index, layout=layout,
-                                   group=self.group, step=step, everything=everything,
-                                   density=1.0 if everything else self.options.density_at(step),
-                                   momentum=None if everything or not self.momentum else self.momentum)
-        compressor.send(pending)
-        discard, parts = compressor.unpack(pending)
-        compressor.finish(pending, parts, discard=discard)
+        # FSDP reads the shard once the hook returns, so the exchange is waited for here (on a GPU this orders
+        # the hook's stream)
+        self.compressor.exchange(shard, layout, self.group, step=step, key=index, everything=everything,
+                                 density=1.0 if everything else self.options.density_at(step),
+                                 momentum=None if everything or not self.momentum else self.momentum).wait()
         if self.momentum and not everything:  # hand over u_t - m u_{t-1}; remember u_t (a discarded step: as before)
+            discard = ~torch.isfinite(shard).all()  # (a discarded exchange writes NaN, a kept one finite values)
             update, previous = shard.to(torch.float32, copy=True), self.last_update.get(index)
             if previous is not None:
                 previous = previous.to(shard.device)  # (loaded on the CPU; a no-op once in place)

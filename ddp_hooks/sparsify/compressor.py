@@ -90,7 +90,7 @@ from .memory import GLOBAL_BUCKET, Layout, ResidualStore, ScratchMemory, every_p
 from .selectors import Choice, SelectionRequest, Unit
 from .selectors.draws import SHARED
 
-__all__ = ["SparseCompressor", "PendingExchange", "units_of", "starts_of", "host_reads_free", "holds_nonfinite", "fill_if",
+__all__ = ["SparseCompressor", "PendingExchange", "units_of", "host_reads_free", "holds_nonfinite", "fill_if",
            "gather_outweighs_allreduce", "sends_everything", "position_dtype"]
 
 #: Read tensors on the host where that is free (the CPU). Tests set it to False to run, on the CPU, the
@@ -209,7 +209,7 @@ class SparseCompressor:
 
     # ----- all six stages in one call -----
     def exchange(self, grad: torch.Tensor, layout: Layout, group, *, step: int, density: float,
-                 key: int = 0) -> torch.futures.Future:
+                 key: int = 0, momentum: Optional[float] = None, everything: bool = False) -> torch.futures.Future:
         """Average ``grad`` (flat, laid out as ``layout``) over ``group``, sparsely; the future holds ``grad``.
 
         Each parameter of ``layout`` is a unit with its own budget; a step
@@ -217,11 +217,13 @@ class SparseCompressor:
         rank (``grad`` then holds NaN, the residuals keep their values). Wait
         for the returned future (or chain on it) before the next exchange of
         the same ``key``: its fold writes the residual that one reads.
+        ``momentum``: a velocity counted in sends; ``everything``: send every
+        entry (:meth:`begin`).
         """
-        units, starts = units_of(layout, "layer", key, grad.numel()), starts_of(layout, grad.device)
+        units, starts = units_of(layout, "layer", key, grad.numel()), _starts(layout, grad.device)
         marks = torch.where(torch.isfinite(grad).all(), 1.0, float("nan")).expand(len(layout))  # no idle parameter
         pending = self.begin(grad, units, starts, marks, key=key, layout=layout, group=group, step=step,
-                             density=density)
+                             density=density, momentum=momentum, everything=everything)
         self.send(pending)
 
         def fold_and_write(_):
@@ -486,7 +488,7 @@ def units_of(layout: Layout, scope: str, key: int, numel: int) -> Tuple[Unit, ..
 
 
 @lru_cache(maxsize=256)
-def starts_of(layout: Layout, device: torch.device) -> torch.Tensor:
+def _starts(layout: Layout, device: torch.device) -> torch.Tensor:
     """The offsets where a layout's parameters start, on ``device`` (kept: no copy per call)."""
     return torch.tensor([offset for _, offset, _ in layout], dtype=torch.int64, device=device)
 

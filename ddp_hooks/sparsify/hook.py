@@ -277,11 +277,12 @@ def _commit(state: SparsifyState, exchanges: Sequence[BucketExchange], scale: Op
                                      whole=pending.dense, discard=forgotten_if)
         if result_vector is not None:
             result_vector.written = written
-        # the node gathers the written entries where every rank holds as many: each piece has its own budget
-        # (layer scope), or nothing but this step's (the last update's entries are a bucket's whole budget's,
-        # which a data-dependent selector splits over the parameters differently on each rank)
-        sparse_gather = not pending.dense and (update is None or state.options.scope == "layer")
-        written_by_bucket.append(written if sparse_gather else None)
+        if nodes is not None:
+            # the node gathers the written entries where every rank holds as many: each piece has its own budget
+            # (layer scope), or nothing but this step's (the last update's entries are a bucket's whole budget's,
+            # which a data-dependent selector splits over the parameters differently on each rank)
+            sparse_gather = not pending.dense and (update is None or state.options.scope == "layer")
+            written_by_bucket.append(written if sparse_gather else None)
         if global_buffers is not None:
             for buffer, chunk in zip(global_buffers, pending.grad.split([b.numel() for b in global_buffers])):
                 buffer.copy_(chunk)

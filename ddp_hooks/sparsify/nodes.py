@@ -28,7 +28,7 @@ Example (which ranks form the nodes; :func:`node_groups` makes their groups)::
 
     >>> node_ranks(2, world_size=4)
     [[0, 1], [2, 3]]
-    >>> Sharding(((0, 0, 5), (1, 5, 2)), 7, size=2, local_rank=1, device=torch.device("cpu")).layout
+    >>> Sharding(((0, 0, 5), (1, 5, 2)), 7, size=2, device=torch.device("cpu")).layout
     ((0, 0, 3), (1, 3, 1))
 """
 
@@ -151,8 +151,8 @@ class Sharding:
 
     __slots__ = ("layout", "starts", "numel", "destination", "padded", "gathered")
 
-    def __init__(self, bucket_layout: Layout, bucket_numel: int, size: int, local_rank: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, bucket_layout: Layout, bucket_numel: int, size: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         pieces = [-(-n // size) for _, _, n in bucket_layout]  # c = ceil(m / L) per parameter
         shard_offsets, shard_numel = [], 0
         for c in pieces:
@@ -192,8 +192,8 @@ class Shardings:
     def of(self, index: int, layout: Layout, buffer: torch.Tensor, nodes: Nodes) -> Sharding:
         kept = self._by_bucket.get(index)
         if kept is None or kept[0] != layout or kept[1].padded.dtype != buffer.dtype:
-            kept = self._by_bucket[index] = (layout, Sharding(layout, buffer.numel(), nodes.size, nodes.local_rank,
-                                                              buffer.device, buffer.dtype))
+            kept = self._by_bucket[index] = (layout, Sharding(layout, buffer.numel(), nodes.size, buffer.device,
+                                                              buffer.dtype))
         return kept[1]
 
     def drop_buckets_after(self, last_index: int) -> None:

@@ -44,13 +44,13 @@ def test_bad_nodes_are_refused_before_any_process_group(bad, error, words):
 def test_a_sharding_cuts_each_parameter_into_pieces_and_back():
     layout = ((0, 0, 5), (1, 5, 0), (2, 5, 7), (3, 12, 1))  # an empty parameter, and one smaller than L
     bucket = torch.arange(1.0, 14.0)
-    shards = [Sharding(layout, 13, size=3, local_rank=j, device=torch.device("cpu")) for j in range(3)]
-    assert shards[1].layout == ((0, 0, 2), (1, 2, 0), (2, 2, 3), (3, 5, 1)) and shards[1].numel == 6
-    padded = torch.zeros(18).index_copy_(0, shards[0].destination, bucket)
+    sharding = Sharding(layout, 13, size=3, device=torch.device("cpu"))  # every local rank's: shard j at 6 j
+    assert sharding.layout == ((0, 0, 2), (1, 2, 0), (2, 2, 3), (3, 5, 1)) and sharding.numel == 6
+    padded = torch.zeros(18).index_copy_(0, sharding.destination, bucket)
     # piece j of parameter 2 (entries 6..12) is entries [3j, 3j + 3) of it, the last piece padded with zeros
     assert padded[6 * 1 + 2:6 * 1 + 5].tolist() == [9.0, 10.0, 11.0]
     assert padded[6 * 2 + 2:6 * 2 + 5].tolist() == [12.0, 0.0, 0.0]
-    assert torch.equal(padded.index_select(0, shards[0].destination), bucket)
+    assert torch.equal(padded.index_select(0, sharding.destination), bucket)
     assert int((padded != 0).sum()) == 13
 
 
