@@ -241,7 +241,8 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad
             process_group=process_group, method=args.method, density=args.density, scope=args.scope,
             aggregation=args.aggregation, error_feedback=not args.no_error_feedback,
             warmup_steps=warmup, seed=args.hook_seed, grad_scaler=grad_scaler, block_size=args.block_size,
-            density_warmup_steps=args.density_warmup_steps, value_dtype=args.value_dtype,
+            density_warmup_steps=args.density_warmup_steps,
+            density_warmup_start=getattr(args, "density_warmup_start", None), value_dtype=args.value_dtype,
             nodes=getattr(args, "nodes", None),
         )
         return Exchange("sparsify", state, sparsify_hook, sent_counter=lambda s: s.stats()["bytes_sent"])

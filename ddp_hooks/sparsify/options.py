@@ -73,19 +73,23 @@ class SparsifyOptions:
         error_feedback (bool): keep what was not sent and add it next step.
         warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps.
         density_warmup_steps (int): >= 0, or ``None`` (the default): 1000.
-            After ``warmup_steps``, the
-            density falls geometrically from 1 to ``density`` over this many
-            steps, ``density ** (s / density_warmup_steps)`` at the ``s``-th,
-            as Deep Gradient Compression (Lin et al. 2018, arXiv 1712.01887)
-            lowers it over its first epochs; 0 turns it off. Why: a random
-            selector sends a coordinate about once every ``1 / density``
-            steps with all it gathered, and early in training, when
-            gradients are large and change fast, such delayed bursts diverge;
-            the decay lets the delay grow as the gradients settle (top-k,
-            whose early residuals are also large, gains from it as well). It costs
-            about ``density_warmup_steps * (1 - density) / ln(1 / density)``
-            dense steps' bytes in all (215 for 1000 steps at density 0.01),
-            and needs no knowledge of the run's length.
+            After ``warmup_steps``, the density falls geometrically from
+            ``density_warmup_start`` (``s0``) to ``density`` (``d``) over this
+            many steps, ``s0 * (d / s0) ** (s / density_warmup_steps)`` at the
+            ``s``-th, as Deep Gradient Compression (Lin et al. 2018, arXiv
+            1712.01887) lowers it over its first epochs; 0 turns it off. Why:
+            a random selector sends a coordinate about once every
+            ``1 / density`` steps with all it gathered, and early in
+            training, when gradients are large and change fast, such delayed
+            bursts diverge; the decay lets the delay grow as the gradients
+            settle. It costs about
+            ``density_warmup_steps * (s0 - d) / ln(s0 / d)`` dense steps'
+            bytes in all, and needs no knowledge of the run's length.
+        density_warmup_start (float): in (0, 1], or ``None`` (the default):
+            the selector's own, 1 for the random selectors (215 dense steps'
+            bytes at density 0.01) and 0.1 for top-k and shared top-k, which
+            send the largest entries first (39 dense steps' bytes). A start
+            at or below ``density`` turns the warm-up off.
         error_feedback_beta (float): in (0, 1] (1). Below 1, a low-pass
             filter on the error-feedback memory, after ScaleCom (Chen et al.,
             NeurIPS 2020): ``e_{t+1} = (1 - beta) e_t + beta (p_t - c_t)``,
@@ -153,6 +157,7 @@ class SparsifyOptions:
     block_size: int = 4
     optimizer_momentum: str = "auto"
     density_warmup_steps: Optional[int] = None
+    density_warmup_start: Optional[float] = None
     error_feedback_beta: float = 1.0
     value_dtype: Optional[Union[str, torch.dtype]] = None
     selector: Selector = field(init=False, repr=False, compare=False)
@@ -175,6 +180,11 @@ class SparsifyOptions:
             set_("density_warmup_steps", DEFAULT_DENSITY_WARMUP_STEPS)
         check_int("density_warmup_steps", self.density_warmup_steps, 0,
                   "the number of steps over which the density falls to `density`")
+        if self.density_warmup_start is None:
+            set_("density_warmup_start", selector_class(self.method).warmup_start_density)
+        set_("density_warmup_start", check_float(
+            "density_warmup_start", self.density_warmup_start, 0.0, 1.0, low_open=True,
+            reason="it is the fraction of entries sent at the first step of the density warm-up"))
         check_choice("optimizer_momentum", self.optimizer_momentum, OPTIMIZER_MOMENTUM_CODES,
                      "what becomes of the optimizer's momentum")
         set_("momentum", check_float("momentum", self.momentum, 0.0, 1.0, high_open=True,
@@ -223,13 +233,15 @@ class SparsifyOptions:
         return grad_dtype if self.value_dtype is None else getattr(torch, self.value_dtype)
 
     def density_at(self, step: int) -> float:
-        """The density of step ``step``: 1 during the warm-up, then ``density_warmup_steps`` of geometric decay."""
+        """The density of step ``step``: 1 during ``warmup_steps``, then ``density_warmup_steps`` of geometric
+        decay from ``density_warmup_start`` to ``density``."""
         into = step - self.warmup_steps
         if into < 0:
             return 1.0
-        if into >= self.density_warmup_steps:
+        start = max(self.density, self.density_warmup_start)
+        if into >= self.density_warmup_steps or start == self.density:
             return self.density
-        return max(self.density, self.density ** (into / self.density_warmup_steps))
+        return max(self.density, start * (self.density / start) ** (into / self.density_warmup_steps))
 
     def as_kwargs(self) -> Dict[str, object]:
         """The options as ``SparsifyState`` keyword arguments."""
@@ -251,6 +263,7 @@ class SparsifyOptions:
             "block_size": self.block_size,
             "optimizer_momentum": OPTIMIZER_MOMENTUM_CODES[self.optimizer_momentum],
             "density_warmup_steps": self.density_warmup_steps,
+            "density_warmup_start_bits": float_to_bits(self.density_warmup_start),
             "error_feedback_beta_bits": float_to_bits(self.error_feedback_beta),
             "value_dtype": VALUE_DTYPE_CODES[self.value_dtype or "auto"],
         }
@@ -272,6 +285,8 @@ class SparsifyOptions:
                 + (repr(_name_of(OPTIMIZER_MOMENTUM_CODES, ints['optimizer_momentum']))
                    if 'optimizer_momentum' in ints else "'(not saved)'")
                 + f", density_warmup_steps={ints.get('density_warmup_steps', '(not saved)')}"
+                + (f", density_warmup_start={bits_to_float(ints['density_warmup_start_bits']):g}"
+                   if "density_warmup_start_bits" in ints else ", density_warmup_start=(not saved)")
                 + f", error_feedback_beta={bits_to_float(ints.get('error_feedback_beta_bits', float_to_bits(1.0))):g}"
                 + ", value_dtype=" + repr(_value_dtype_of_code(ints.get("value_dtype", 0))))
 

@@ -50,7 +50,9 @@ class SparsifyState:
         aggregation (str): ``"allreduce"`` (default; shared positions) or ``"allgather"``.
         error_feedback (bool): keep what was not sent and add it next step (True).
         warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps (0).
-        density_warmup_steps (int): steps over which the density falls from 1 (``None``: 1000).
+        density_warmup_steps (int): steps over which the density falls to ``density`` (``None``: 1000).
+        density_warmup_start (float): the density the warm-up falls from (``None``: the selector's, 1 for
+            the random selectors, 0.1 for top-k and shared top-k).
         seed (int): seed of the random selectors (0).
         block_size (int): ``random_block``'s entries per block (4).
         momentum, weight_decay (float): the hook's own momentum and weight decay (0, 0).
@@ -130,6 +132,7 @@ class SparsifyState:
         block_size: int = 4,
         optimizer_momentum: str = "auto",
         density_warmup_steps: Optional[int] = None,
+        density_warmup_start: Optional[float] = None,
         error_feedback_beta: float = 1.0,
         value_dtype: Optional[Union[str, torch.dtype]] = None,
         nodes: NodeSpec = None,
@@ -143,7 +146,7 @@ class SparsifyState:
             method=method, density=density, scope=scope, aggregation=aggregation, error_feedback=error_feedback,
             warmup_steps=warmup_steps, seed=seed, momentum=momentum, weight_decay=weight_decay,
             block_size=block_size, optimizer_momentum=optimizer_momentum, density_warmup_steps=density_warmup_steps,
-            error_feedback_beta=error_feedback_beta, value_dtype=value_dtype)
+            density_warmup_start=density_warmup_start, error_feedback_beta=error_feedback_beta, value_dtype=value_dtype)
         if self.options.density == 1.0:
             warnings.warn("SparsifyState: density=1 sends every entry; the hook then costs a plain allreduce "
                           "plus bookkeeping", stacklevel=2)
@@ -185,7 +188,7 @@ class SparsifyState:
         return self.options.counts_momentum_in_sends
 
     def density_at(self, step: int) -> float:
-        """The density of step ``step``: 1 during the warm-up, then ``density_warmup_steps`` of geometric decay."""
+        """The density of step ``step`` (:meth:`SparsifyOptions.density_at`)."""
         return self.options.density_at(step)
 
     @property
