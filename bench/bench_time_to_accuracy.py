@@ -46,7 +46,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "recipes"))
 
 from tta_language import LM_SPARSE_CURVES, lm_report, lm_step_time_plan  # noqa: E402
-from tta_plan import BANDWIDTHS, curve_methods, step_time_plan  # noqa: E402
+from bench_models import FASHION_MNIST_MODELS  # noqa: E402
+from tta_plan import BANDWIDTHS, MODEL, curve_methods, step_time_plan  # noqa: E402
 from tta_report import plot, read_curves, report, target_of  # noqa: E402
 from tta_training import steps_per_epoch, train_curve  # noqa: E402
 
@@ -55,17 +56,26 @@ from ddp_hooks.testing import run_distributed  # noqa: E402
 PARTS = ("curves", "step-times", "wall-clock", "lm-step-times")
 
 
+def chosen_methods(args) -> list:
+    """The plan's curve methods, or those of ``--only`` (an unknown label is refused, with the plan's labels)."""
+    methods = curve_methods(args.quick)
+    if not args.only:
+        return methods
+    unknown = sorted(set(args.only) - {m.label for m in methods})
+    if unknown:
+        raise SystemExit(f"--only: {unknown} not in the plan; its labels: {[m.label for m in methods]}")
+    return [m for m in methods if m.label in args.only]
+
+
 def run_curves(args, path: str) -> None:
     """Train every method of the plan on loopback; one JSON line per method after a header line."""
-    methods = curve_methods(args.quick)
-    if args.only:
-        methods = [m for m in methods if m.label in args.only]
+    methods = chosen_methods(args)
     if not (args.append and os.path.exists(path)):
         with open(path, "w") as f:
             f.write(json.dumps({"command": args.command, "train": args.train, "epochs": args.epochs,
-                                "eval_every": args.eval_every, "world": args.world}) + "\n")
+                                "eval_every": args.eval_every, "world": args.world, "model": args.model}) + "\n")
     for method in methods:
-        spec = {"method": method.as_dict(), "epochs": args.epochs, "train": args.train,
+        spec = {"method": method.as_dict(), "model": args.model, "epochs": args.epochs, "train": args.train,
                 "eval_every": args.eval_every, "seed": args.seed, "data_dir": args.data_dir, "stop_at": None}
         start = time.perf_counter()
         result = run_distributed(train_curve, args.world, spec, timeout=3600)[0]
@@ -81,7 +91,8 @@ def run_curves(args, path: str) -> None:
 def run_step_times_part(args, path: str, language: bool = False) -> None:
     from tta_cluster import run_step_times  # needs root; imported here so that the other parts do not
 
-    plan = lm_step_time_plan(args.rounds) if language else step_time_plan(curve_methods(args.quick), args.rounds)
+    plan = (lm_step_time_plan(args.rounds) if language
+            else step_time_plan(chosen_methods(args), args.rounds, args.model))
     run_step_times(plan, path, args.command)
     print(f"step times: {path}", flush=True)
 
@@ -102,7 +113,8 @@ def run_wall_clock_part(args, curves_path: str, path: str) -> None:
             f.write(json.dumps({"command": args.command, "target": target}) + "\n")
     for label in args.wall_methods:
         for bandwidth in args.wall_bandwidths:
-            spec = {"method": by_label[label].as_dict(), "epochs": header["epochs"], "train": header["train"],
+            spec = {"method": by_label[label].as_dict(), "model": header.get("model", MODEL),
+                    "epochs": header["epochs"], "train": header["train"],
                     "eval_every": header["eval_every"], "seed": args.seed, "data_dir": args.data_dir,
                     "stop_at": target}
             result = run_wall_clock(spec, bandwidth)
@@ -142,13 +154,16 @@ def parse_args(argv=None):
     p.add_argument("--part", choices=PARTS, nargs="+", default=None, help="what to run (default: every part)")
     p.add_argument("--quick", action="store_true", help="2 methods, 1 epoch of 8,000 images: a smoke run")
     p.add_argument("--report", action="store_true", help="print and write the tables and plot, run nothing")
-    p.add_argument("--only", nargs="+", default=None, help="curves: keep only the methods of these labels")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="curves, step-times: keep only the methods of these labels (step times: and the noop hook)")
     p.add_argument("--results", default=None, help="prefix of the results files (default bench/results/tta, "
                                                     "--quick: bench/results/tta-quick)")
     p.add_argument("--epochs", type=int, default=None, help="epochs (default 4, --quick 1)")
     p.add_argument("--train", type=int, default=None, help="training images (default 48000, --quick 8000)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default: half "
                                                                 "an epoch)")
+    p.add_argument("--model", default=MODEL, choices=FASHION_MNIST_MODELS,
+                   help=f"curves, step-times: the model (default {MODEL}; give the others their own --results)")
     p.add_argument("--world", type=int, default=4, help="curves: ranks (default 4, the cluster's hosts)")
     p.add_argument("--rounds", type=int, default=1, help="step times: rounds of the plan, medians (default 1)")
     p.add_argument("--wall-methods", nargs="+", default=["random-block d=0.01"],

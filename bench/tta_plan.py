@@ -1,6 +1,6 @@
 """What the time-to-accuracy benchmark trains and times: methods, their training settings, the density grid.
 
-Every method trains ``fmnist-cnn`` (``bench_models``) on Fashion-MNIST through
+Every method trains ``fmnist-cnn`` (:data:`MODEL`; or ``fmnist-resnet20``, ``bench_models``) on Fashion-MNIST through
 the CIFAR recipe's ``comm_setup`` (the hooks, optimizers and byte counters the
 recipe uses) at its recommended settings: the sparsifiers with their default
 options (density warm-up included), PowerSGD as PyTorch ships it, Local
@@ -20,7 +20,7 @@ report integrates the step time over the warm-up (``tta_report``).
     >>> [m.label for m in curve_methods(quick=True)]
     ['allreduce hook', 'random-block d=0.01']
     >>> len(step_time_methods(curve_methods())), training_args(ADAGRAD_METHODS[0]).eps
-    (32, 1.0)
+    (35, 1.0)
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from typing import List
 
 from cluster_plan import ADAALTER, ALLREDUCE, FP16, NOOP, POWERSGD, SYNC_ADAGRAD, Method, Run, sparsifier
 
+from ddp_hooks.sparsify import SparsifyOptions
+
 __all__ = ["MODEL", "HOSTS", "BANDWIDTHS", "DENSITY_GRID", "SGD", "ADAGRAD", "ADAGRAD_METHODS", "curve_methods",
            "step_time_methods", "step_time_plan", "training_args", "learning_rate", "method_key", "warmup_variants",
-           "value_dtype_variants", "with_values"]
+           "value_dtype_variants", "with_values", "sparsify_options"]
 
 MODEL = "fmnist-cnn"
 HOSTS = 4
@@ -51,7 +53,8 @@ ADAGRAD_METHODS = (SYNC_ADAGRAD, ADAALTER[4], ADAALTER[8])
 
 def _sparsifiers(density: float) -> List[Method]:
     return [sparsifier("topk", density, "layer", "allgather"), sparsifier("randomk", density, "layer", "allreduce"),
-            sparsifier("random_block", density, "layer", "allreduce")]
+            sparsifier("random_block", density, "layer", "allreduce"),
+            sparsifier("shared_topk", density, "layer", "allreduce")]
 
 
 def _labelled(method: Method) -> Method:
@@ -60,17 +63,19 @@ def _labelled(method: Method) -> Method:
 
 
 def warmup_variants() -> List[Method]:
-    """Random-block d=0.01 with a shorter density warm-up than the default 1000 steps, and with none: what the
-    warm-up's time buys in accuracy."""
+    """Random-block d=0.01 with a shorter density warm-up than the default 1000 steps, and with none, and shared
+    top-k d=0.01 with none: what the warm-up's time buys in accuracy."""
     block = _labelled(sparsifier("random_block", 0.01, "layer", "allreduce"))
-    return [replace(block, label=f"{block.label} warm-up {steps}", density_warmup=steps) for steps in (250, 0)]
+    shared = _labelled(sparsifier("shared_topk", 0.01, "layer", "allreduce"))
+    return [replace(block, label=f"{block.label} warm-up {steps}", density_warmup=steps) for steps in (250, 0)] + [
+        replace(shared, label=f"{shared.label} warm-up 0", density_warmup=0)]
 
 
 def value_dtype_variants() -> List[Method]:
-    """Random-block with its values sent as float16 (``value_dtype``; the rounding stays in the residual): half
-    the bytes of every step, the density warm-up's dense early steps included."""
-    return [with_values(_labelled(sparsifier("random_block", d, "layer", "allreduce")), "float16")
-            for d in (0.01, 0.05)]
+    """Random-block and shared top-k with their values sent as float16 (``value_dtype``; the rounding stays in
+    the residual): half the values' bytes of every step, the density warm-up's dense early steps included."""
+    return [with_values(_labelled(sparsifier(name, d, "layer", "allreduce")), "float16")
+            for name in ("random_block", "shared_topk") for d in (0.01, 0.05)]
 
 
 def with_values(method: Method, value_dtype) -> Method:
@@ -111,24 +116,37 @@ def step_time_methods(curves: List[Method]) -> List[Method]:
 
 
 def _step_time_rows(curves: List[Method]) -> List[Method]:
-    rows, lowest = [NOOP], {}
+    """Each selector over the grid from the lowest density it trains at up to the first grid density at or above
+    the highest it reaches in a density warm-up."""
+    rows, lowest, highest = [NOOP], {}, {}
     for m in curves:
         if m.hook != "sparsify":
             rows.append(m)
-        else:
-            key = (m.method, m.aggregation, m.value_dtype)
-            lowest[key] = min(lowest.get(key, 1.0), m.density)
-    for (name, aggregation, value_dtype), low in lowest.items():
+            continue
+        key = (m.method, m.aggregation, m.value_dtype)
+        options = sparsify_options(m)
+        lowest[key] = min(lowest.get(key, 1.0), m.density)
+        highest[key] = max(highest.get(key, 0.0), options.density_at(options.warmup_steps))
+    for key, low in lowest.items():
+        name, aggregation, value_dtype = key
+        ceiling = min((d for d in DENSITY_GRID if d >= highest[key] - 1e-12), default=max(DENSITY_GRID))
         rows += [with_values(sparsifier(name, d, "layer", aggregation), value_dtype)
-                 for d in DENSITY_GRID if d >= low - 1e-12]
+                 for d in DENSITY_GRID if low - 1e-12 <= d <= ceiling]
     return rows
 
 
-def step_time_plan(curves: List[Method], rounds: int = 1) -> List[Run]:
-    """The cluster plan: :data:`HOSTS` hosts, :data:`MODEL`, the rows of :func:`step_time_methods`, each round
-    measuring every row at 1 Gbit/s, then 100 Mbit/s."""
+def sparsify_options(method: Method) -> SparsifyOptions:
+    """The hook options a sparsifier of the plan trains with (its density warm-up: None, the default)."""
+    return SparsifyOptions(method=method.method, density=method.density, aggregation=method.aggregation,
+                           density_warmup_steps=method.density_warmup,
+                           density_warmup_start=method.density_warmup_start, value_dtype=method.value_dtype)
+
+
+def step_time_plan(curves: List[Method], rounds: int = 1, model: str = MODEL) -> List[Run]:
+    """The cluster plan: :data:`HOSTS` hosts, ``model`` (default :data:`MODEL`), the rows of
+    :func:`step_time_methods`, each round measuring every row at 1 Gbit/s, then 100 Mbit/s."""
     rows = step_time_methods(curves)
-    return [Run(HOSTS, MODEL, rows, BANDWIDTHS, round=k) for k in range(rounds)]
+    return [Run(HOSTS, model, rows, BANDWIDTHS, round=k) for k in range(rounds)]
 
 
 def training_args(method: Method):
@@ -138,6 +156,7 @@ def training_args(method: Method):
     args.lr, args.momentum, args.weight_decay = family["lr"], family["momentum"], family["weight_decay"]
     args.eps = family["eps"]
     args.density_warmup_steps = method.density_warmup  # None: the default (recipe_args turns it off)
+    args.density_warmup_start = method.density_warmup_start
     return args
 
 

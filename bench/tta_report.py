@@ -23,12 +23,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ddp_hooks.sparsify import SparsifyOptions
 from ddp_hooks.sparsify.compressor import sends_everything
 
 from cluster_report import merge_rounds, read_results
 from cluster_plan import NOOP, Method
-from tta_plan import ADAGRAD_METHODS, BANDWIDTHS, HOSTS, method_key
+from bench_models import build_bench_model
+from tta_plan import ADAGRAD_METHODS, BANDWIDTHS, HOSTS, MODEL, method_key, sparsify_options
 
 __all__ = ["interpolate", "first_reaching", "StepTimes", "sparsify_options", "read_curves", "target_of", "report", "plot"]
 
@@ -93,12 +93,6 @@ class StepTimes:
             return None
         dense_s = allreduce[0]["s_per_step"] if dense else 0.0
         return min(dense, steps) * dense_s + max(steps - dense, 0) * rows[0]["s_per_step"]
-
-
-def sparsify_options(method: Method) -> SparsifyOptions:
-    """The hook options a sparsifier of the plan trains with (its density warm-up: None, the default)."""
-    return SparsifyOptions(method=method.method, density=method.density, aggregation=method.aggregation,
-                           density_warmup_steps=method.density_warmup, value_dtype=method.value_dtype)
 
 
 def _method_fields(record: dict) -> dict:
@@ -206,6 +200,11 @@ def _wall_clock_lines(walls: Sequence[dict], times: StepTimes) -> List[str]:
     return lines
 
 
+def _model_text(name: str) -> str:
+    """``name (1.23 M parameters)``."""
+    return f"{name} ({sum(p.numel() for p in build_bench_model(name).parameters()) / 1e6:.2f} M parameters)"
+
+
 def report(curves_path: str, step_times_path: str, walls: Sequence[dict] = ()) -> str:
     """The markdown report of the three results files (``walls``: the wall-clock results)."""
     header, results = read_curves(curves_path)
@@ -213,7 +212,7 @@ def report(curves_path: str, step_times_path: str, walls: Sequence[dict] = ()) -
     times = StepTimes(records)
     target = target_of(results)
     lines = [f"$ {header['command']}", f"$ {run['command'] if run else '(step times: no run line)'}", "",
-             f"Fashion-MNIST, fmnist-cnn (1.23 M parameters), {header['world']} ranks, {header['train']} training "
+             f"Fashion-MNIST, {_model_text(header.get('model', MODEL))}, {header['world']} ranks, {header['train']} training "
              f"images, {header['epochs']} epochs, evaluated every {header['eval_every']} steps on the 10,000 test "
              "images. Times to target are products: steps from the curves (loopback) times step times on the "
              "simulated cluster (4 hosts sharing this machine's cores).", ""]

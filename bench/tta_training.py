@@ -1,6 +1,6 @@
 """One training run of the time-to-accuracy benchmark: a method on Fashion-MNIST, test accuracy on a schedule.
 
-Each rank trains ``fmnist-cnn`` on its contiguous shard of the first
+Each rank trains ``spec["model"]`` (default ``fmnist-cnn``; ``bench_models``) on its contiguous shard of the first
 ``train`` training images (reshuffled every epoch), 32 images per step, with
 the method's hook and optimizer from the recipe's ``comm_setup``
 (``tta_plan.training_args``), and every ``eval_every`` steps evaluates on all
@@ -41,12 +41,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "recipes"))
 
 from bench_fashion_mnist import epoch_order, rank_shard  # noqa: E402
-from bench_models import fmnist_cnn  # noqa: E402
+from bench_models import build_bench_model  # noqa: E402
 from cluster_plan import Method  # noqa: E402
 from cluster_worker import PerBucketGroups, run_as_host  # noqa: E402
 from comm_setup import build_exchange, build_optimizer  # noqa: E402
 from fashion_mnist_data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, find_fashion_mnist, read_fashion_mnist  # noqa: E402
-from tta_plan import learning_rate, training_args  # noqa: E402
+from tta_plan import MODEL, learning_rate, training_args  # noqa: E402
 
 __all__ = ["BATCH", "train_curve", "steps_per_epoch", "sharded_accuracy"]
 
@@ -70,8 +70,11 @@ def sharded_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, r
     """Test accuracy in percent, every rank classifying its contiguous share of the images (all ranks call it)."""
     share = -(-len(y) // world)
     x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+    was_training = model.training
+    model.eval()  # batch norm: the running statistics, not the test batch's
     with torch.no_grad():
         correct = sum(int((model(x[i:i + 2000]).argmax(1) == y[i:i + 2000]).sum()) for i in range(0, len(y), 2000))
+    model.train(was_training)
     total = torch.tensor([correct, len(y)], dtype=torch.int64)
     dist.all_reduce(total)
     return 100.0 * int(total[0]) / int(total[1])
@@ -92,7 +95,8 @@ def _model_to_evaluate(ddp: DistributedDataParallel, method: Method, world: int)
 def train_curve(rank: int, world: int, spec: dict) -> dict:
     """Train ``spec["method"]`` (``Method`` fields) for ``spec["epochs"]``; rank 0 returns the curve.
 
-    ``spec``: ``method``, ``epochs``, ``train`` (training images used),
+    ``spec``: ``method``, ``model`` (a Fashion-MNIST model of ``bench_models``; default ``fmnist-cnn``),
+    ``epochs``, ``train`` (training images used),
     ``eval_every`` (steps), ``seed``, ``data_dir`` (None: Debian's folder),
     ``stop_at`` (accuracy in percent, or None). The curve is a list of
     ``{"step", "epoch", "accuracy", "train_s", "payload_bytes", "loss"}``
@@ -106,7 +110,7 @@ def train_curve(rank: int, world: int, spec: dict) -> dict:
     per_epoch = steps_per_epoch(len(y_train), world)
     total = spec["epochs"] * per_epoch
     torch.manual_seed(spec["seed"])
-    ddp = DistributedDataParallel(fmnist_cnn())
+    ddp = DistributedDataParallel(build_bench_model(spec.get("model", MODEL)))
     args = training_args(method)
     exchange = build_exchange(args)
     optimizer = build_optimizer(args, ddp.parameters(), exchange)

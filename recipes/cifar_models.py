@@ -69,11 +69,12 @@ class CifarResNet(nn.Module):
         num_classes (int): outputs of the classifier.
         width (int): channels of the first stage (16 in the paper); the
             second and third stages have twice and four times as many.
+        in_channels (int): channels of the input images (3: colour; 1: greyscale).
     """
 
-    def __init__(self, blocks_per_stage: int, num_classes: int = 10, width: int = 16):
+    def __init__(self, blocks_per_stage: int, num_classes: int = 10, width: int = 16, in_channels: int = 3):
         super().__init__()
-        self.conv = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.conv = nn.Conv2d(in_channels, width, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(width)
         stages = []
         in_channels = width
@@ -97,7 +98,7 @@ class CifarResNet(nn.Module):
         return self.fc(x)
 
 
-def _resnet18_cifar(num_classes: int, width: int) -> nn.Module:
+def _resnet18_cifar(num_classes: int, width: int, in_channels: int = 3) -> nn.Module:
     """torchvision's ResNet-18 with a 3x3 stride-1 stem and no max-pool (for 32x32 inputs)."""
     from torchvision.models.resnet import BasicBlock, ResNet
 
@@ -112,12 +113,12 @@ def _resnet18_cifar(num_classes: int, width: int) -> nn.Module:
         model.layer3 = model._make_layer(BasicBlock, 4 * width, 2, stride=2)
         model.layer4 = model._make_layer(BasicBlock, 8 * width, 2, stride=2)
         model.fc = nn.Linear(8 * width, num_classes)
-    model.conv1 = nn.Conv2d(3, width, 3, stride=1, padding=1, bias=False)
+    model.conv1 = nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
 
 
-def build_model(name: str, num_classes: int = 10, width: int | None = None) -> nn.Module:
+def build_model(name: str, num_classes: int = 10, width: int | None = None, in_channels: int = 3) -> nn.Module:
     """Build one of :data:`MODELS`.
 
     Args:
@@ -125,9 +126,10 @@ def build_model(name: str, num_classes: int = 10, width: int | None = None) -> n
         num_classes (int): classifier outputs.
         width (int, optional): first-stage channels; default 64 for resnet18
             and 16 for the CIFAR ResNets (the published models).
+        in_channels (int): channels of the input images (3: colour; 1: greyscale).
     """
     if name == "resnet18":
-        return _resnet18_cifar(num_classes, 64 if width is None else width)
+        return _resnet18_cifar(num_classes, 64 if width is None else width, in_channels)
     if name in _CIFAR_DEPTHS:
-        return CifarResNet(_CIFAR_DEPTHS[name], num_classes, 16 if width is None else width)
+        return CifarResNet(_CIFAR_DEPTHS[name], num_classes, 16 if width is None else width, in_channels)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")

@@ -3,6 +3,7 @@ training loop on 2 gloo ranks over a tiny Fashion-MNIST folder in the real on-di
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import json
 import math
@@ -32,11 +33,14 @@ def test_step_time_rows_cover_each_selector_down_to_its_lowest_density():
     rows = tta_plan.step_time_methods(tta_plan.curve_methods())
     assert rows[0].label == NOOP.label and len(set(rows)) == len(rows)
     grid = [0.01, 0.05, 0.1, 0.2, 0.3, 0.99]
-    for name in ("topk", "randomk", "random_block"):
+    for name in ("randomk", "random_block"):  # their density warm-up starts at 1: the whole grid
         assert sorted(r.density for r in rows if r.method == name and r.value_dtype is None) == grid
+    for name in ("topk", "shared_topk"):  # theirs at 0.1: up to the grid's 0.1
+        assert sorted(r.density for r in rows if r.method == name and r.value_dtype is None) == grid[:3]
     # values sent as float16 change the step time: the variant is timed over the grid as a selector of its own
     halves = [r for r in rows if r.value_dtype == "float16"]
-    assert sorted(r.density for r in halves) == grid and {r.method for r in halves} == {"random_block"}
+    assert sorted(r.density for r in halves) == sorted(grid + grid[:3])
+    assert {r.method for r in halves} == {"random_block", "shared_topk"}
     assert len({tta_plan.method_key(r) for r in halves} & {tta_plan.method_key(r) for r in rows if r not in halves}) == 0
     assert not any(r.hook == "sparsify" and r.label.endswith("d=0.01") for r in rows)  # grid rows: plain labels
     quick = tta_plan.step_time_methods(tta_plan.curve_methods(quick=True))
@@ -102,7 +106,7 @@ def test_top_k_warmup_interpolates_each_side_of_its_turn_to_allreduce_apart():
     # at 4 hosts top-k under AllGather sends everything by AllReduce from density 1/4 (timed at 0.99 and 0.3),
     # and gathers below (timed at 0.2 and 0.01): a density of 0.25 costs the AllReduce path's 0.4 s, one of
     # 0.24 the gather's 0.9 s (held from 0.2), not a blend of the two
-    topk = sparsifier("topk", 0.01, "layer", "allgather")
+    topk = dataclasses.replace(sparsifier("topk", 0.01, "layer", "allgather"), density_warmup_start=1.0)
     times = tta_report.StepTimes([_record(sparsifier("topk", d, "layer", "allgather"), "1gbit", t)
                                   for d, t in ((0.99, 0.4), (0.3, 0.4), (0.2, 0.9), (0.01, 0.1))])
     densities = [tta_report.sparsify_options(topk).density_at(s) for s in range(1000)]
@@ -112,8 +116,9 @@ def test_top_k_warmup_interpolates_each_side_of_its_turn_to_allreduce_apart():
 
 
 def test_warmup_variants_train_and_are_timed_with_their_own_density_warmup():
-    short, none = tta_plan.warmup_variants()
+    short, none, shared_none = tta_plan.warmup_variants()
     assert (short.label, none.label) == ("random-block d=0.01 warm-up 250", "random-block d=0.01 warm-up 0")
+    assert (shared_none.method, shared_none.density_warmup) == ("shared_topk", 0)
     assert short in tta_plan.curve_methods() and none in tta_plan.curve_methods()
     assert tta_plan.training_args(short).density_warmup_steps == 250
     assert tta_plan.training_args(none).density_warmup_steps == 0
@@ -123,8 +128,8 @@ def test_warmup_variants_train_and_are_timed_with_their_own_density_warmup():
     expected = sum(tta_report.interpolate([(1.0, 0.6), (0.1, 0.3), (0.01, 0.15)], 0.01 ** (s / 250))
                    for s in range(250))
     assert times.seconds("1gbit", short, 300) == pytest.approx(expected + 50 * 0.15)
-    # the warm-up variants add curves, not cluster rows (the float16-values variant adds its grid of 6)
-    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 26 + 6
+    # the warm-up variants add curves, not cluster rows (each selector's float16-values variant adds its grid)
+    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 26 + 6 + 3
 
 
 def _curve(label, method, accuracies, step=100):
@@ -194,24 +199,32 @@ def test_training_evaluates_on_schedule_counts_bytes_and_stops_at_the_target(tmp
     assert [p["accuracy"] for p in stopped["curve"]] == [p["accuracy"] for p in full["curve"][:first + 1]]
 
 
-def _sharded_and_whole(rank, world):
+def _sharded_and_whole(rank, world, name):
     import torch
 
     import tta_training
 
     torch.manual_seed(0)
-    model = bench_models.fmnist_cnn()
+    model = bench_models.build_bench_model(name, width=4)
     x = torch.randn(23, 1, 28, 28, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 10, (23,), generator=torch.Generator().manual_seed(2))
+    if name == "fmnist-resnet20":  # running statistics unlike any one batch's: eval mode and train mode differ
+        with torch.no_grad():
+            model(3 * x + 1)
+    model.eval()
     whole = 100.0 * int((model(x).argmax(1) == y).sum()) / len(y)
-    return tta_training.sharded_accuracy(model, x, y, rank, world), whole
+    model.train()
+    sharded = tta_training.sharded_accuracy(model, x, y, rank, world)
+    return sharded, whole, model.training
 
 
-def test_each_rank_classifies_its_share_and_the_counts_add_up_to_the_whole_test_set():
+@pytest.mark.parametrize("name", bench_models.FASHION_MNIST_MODELS)
+def test_each_rank_classifies_its_share_and_the_counts_add_up_to_the_whole_test_set(name):
+    """Batch norm (fmnist-resnet20) classifies with its running statistics, and the model goes back to training."""
     from ddp_hooks.testing import run_distributed
 
-    results = run_distributed(_sharded_and_whole, 3, timeout=120)  # 23 images: shares of 8, 8 and 7
-    assert all(sharded == results[0][1] for sharded, _ in results)
+    results = run_distributed(_sharded_and_whole, 3, name, timeout=120)  # 23 images: shares of 8, 8 and 7
+    assert all(sharded == results[0][1] and training for sharded, _, training in results)
     assert 0 < results[0][1] < 100
 
 
