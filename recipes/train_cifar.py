@@ -64,7 +64,7 @@ _OWNED_OPTIONS = {
     "aggregation": ("hook", "sparsify", "allreduce"),
     "block_size": ("hook", "sparsify", 4),
     "density_warmup_steps": ("hook", "sparsify", None),  # None: the hook's default (1000)
-    "density_warmup_start": ("hook", "sparsify", None),  # None: the selector's (1 or 0.1)
+    "density_warmup_start": ("hook", "sparsify", None),  # None: the hook's default (1)
     "value_dtype": ("hook", "sparsify", None),  # None: the gradient's dtype
     "nodes": ("hook", "sparsify", None),  # None: flat, every rank with every other
     "powersgd_rank": ("hook", "powersgd", 1),
@@ -144,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--density-warmup-steps", type=int, default=None,
                    help="sparsify: steps over which the density falls to --density (default: 1000)")
     g.add_argument("--density-warmup-start", type=float, default=None,
-                   help="sparsify: the density the warm-up falls from, in (0, 1] (default: 1 for the random "
-                        "selectors, 0.1 for topk and shared_topk)")
+                   help="sparsify: the density the warm-up falls from, in (0, 1] (default: 1)")
     g.add_argument("--value-dtype", choices=("float16", "bfloat16", "float32"), default=None,
                    help="sparsify: dtype the sent values travel in; the rounding stays in the residual "
                         "(default: the gradient's)")

@@ -31,10 +31,10 @@ STATE_VERSION = 1
 # Options added after version 1 states were first saved, with the values those states imply.
 CONFIG_ADDED_LATER = {"momentum_bits": float_to_bits(0.0), "weight_decay_bits": float_to_bits(0.0),
                       "density_warmup_steps": 0, "error_feedback_beta_bits": float_to_bits(1.0),
-                      "value_dtype": 0}
+                      "value_dtype": 0, "density_warmup_start_bits": float_to_bits(1.0)}
 # Options added later still (issue 16) that change which entries are sent or how the result is
 # presented, not what the residuals mean: a state saved without them resumes under any value.
-CONFIG_FREE_IF_ABSENT = ("block_size", "optimizer_momentum", "density_warmup_start_bits")
+CONFIG_FREE_IF_ABSENT = ("block_size", "optimizer_momentum")
 # Options that only some selectors read (their ``own_options``).
 SELECTOR_OPTIONS = ("block_size",)
 REQUIRED = {"version", "step", "config", "rank", "world_size", "residuals", "stats"}
@@ -85,9 +85,8 @@ def load_into(state, state_dict: Dict[str, Any], *, residuals: bool = True) -> N
     absent = [name for name in CONFIG_FREE_IF_ABSENT if name not in state_dict["config"]]
     saved, mine = {**CONFIG_ADDED_LATER, **state_dict["config"]}, state.options.config_ints()
     if absent:
-        names = [re.sub(r"_(e9|bits)$", "", name) for name in absent]
         logger.warning("SparsifyState: the hook state was saved before %s existed; it resumes with %s",
-                       ", ".join(names), ", ".join(f"{name}={getattr(state.options, name)!r}" for name in names))
+                       ", ".join(absent), ", ".join(f"{name}={getattr(state.options, name)!r}" for name in absent))
         saved.update({name: mine[name] for name in absent})
     # an option of another selector's (block_size for top-k) changes nothing here: a random-k state saved
     # when block_size defaulted to 16 resumes under today's default

@@ -85,11 +85,11 @@ class SparsifyOptions:
             settle. It costs about
             ``density_warmup_steps * (s0 - d) / ln(s0 / d)`` dense steps'
             bytes in all, and needs no knowledge of the run's length.
-        density_warmup_start (float): in (0, 1], or ``None`` (the default):
-            the selector's own, 1 for the random selectors (215 dense steps'
-            bytes at density 0.01) and 0.1 for top-k and shared top-k, which
-            send the largest entries first (39 dense steps' bytes). A start
-            at or below ``density`` turns the warm-up off.
+        density_warmup_start (float): in (0, 1] (1): where that fall
+            starts. A lower start costs fewer bytes (the formula above) and
+            may cost accuracy: measured in bench/README.md, "Shared top-k and
+            the warm-up's bytes". A start at or below ``density`` turns the
+            warm-up off.
         error_feedback_beta (float): in (0, 1] (1). Below 1, a low-pass
             filter on the error-feedback memory, after ScaleCom (Chen et al.,
             NeurIPS 2020): ``e_{t+1} = (1 - beta) e_t + beta (p_t - c_t)``,
@@ -157,7 +157,7 @@ class SparsifyOptions:
     block_size: int = 4
     optimizer_momentum: str = "auto"
     density_warmup_steps: Optional[int] = None
-    density_warmup_start: Optional[float] = None
+    density_warmup_start: float = 1.0
     error_feedback_beta: float = 1.0
     value_dtype: Optional[Union[str, torch.dtype]] = None
     selector: Selector = field(init=False, repr=False, compare=False)
@@ -180,8 +180,6 @@ class SparsifyOptions:
             set_("density_warmup_steps", DEFAULT_DENSITY_WARMUP_STEPS)
         check_int("density_warmup_steps", self.density_warmup_steps, 0,
                   "the number of steps over which the density falls to `density`")
-        if self.density_warmup_start is None:
-            set_("density_warmup_start", selector_class(self.method).warmup_start_density)
         set_("density_warmup_start", check_float(
             "density_warmup_start", self.density_warmup_start, 0.0, 1.0, low_open=True,
             reason="it is the fraction of entries sent at the first step of the density warm-up"))

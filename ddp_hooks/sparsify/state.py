@@ -51,8 +51,7 @@ class SparsifyState:
         error_feedback (bool): keep what was not sent and add it next step (True).
         warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps (0).
         density_warmup_steps (int): steps over which the density falls to ``density`` (``None``: 1000).
-        density_warmup_start (float): the density the warm-up falls from (``None``: the selector's, 1 for
-            the random selectors, 0.1 for top-k and shared top-k).
+        density_warmup_start (float): the density the warm-up falls from, in (0, 1] (1).
         seed (int): seed of the random selectors (0).
         block_size (int): ``random_block``'s entries per block (4).
         momentum, weight_decay (float): the hook's own momentum and weight decay (0, 0).
@@ -132,7 +131,7 @@ class SparsifyState:
         block_size: int = 4,
         optimizer_momentum: str = "auto",
         density_warmup_steps: Optional[int] = None,
-        density_warmup_start: Optional[float] = None,
+        density_warmup_start: float = 1.0,
         error_feedback_beta: float = 1.0,
         value_dtype: Optional[Union[str, torch.dtype]] = None,
         nodes: NodeSpec = None,

@@ -28,8 +28,7 @@ def test_the_crossover_density(world, value_bytes, index_bytes, below, at):
 
 def _through_the_warmup(rank, world):
     # density 1, 0.46, 0.22, 0.1, 0.046, 0.022, then 0.01: at 4 ranks the first two steps are at or above 1/4
-    state = SparsifyState(method="topk", aggregation="allgather", density=0.01, density_warmup_steps=6,
-                          density_warmup_start=1.0)
+    state = SparsifyState(method="topk", aggregation="allgather", density=0.01, density_warmup_steps=6)
     model = DDP(small_mlp())
     model.register_comm_hook(state, sparsify_hook)
     params = list(model.parameters())

@@ -326,7 +326,7 @@ def test_a_state_saved_before_block_size_existed_still_loads(caplog):
     state = SparsifyState(method="random_block", density=0.2, seed=3, density_warmup_steps=0)
     with caplog.at_level("WARNING", logger="ddp_hooks.sparsify.state"):
         state.load_state_dict(sd)
-    assert "saved before block_size, optimizer_momentum, density_warmup_start existed" in caplog.text
+    assert "saved before block_size, optimizer_momentum existed" in caplog.text
     assert state.step == 3 and torch.equal(state.state_dict()["residuals"][0], sd["residuals"][0])
     with pytest.raises(ValueError, match="saved with method='random_block'"):
         SparsifyState(method="randomk", density=0.2, seed=3).load_state_dict(sd)
@@ -346,36 +346,35 @@ def test_density_falls_geometrically_after_the_warm_up():
     assert SparsifyState(method="randomk", density_warmup_steps=0).density_warmup_steps == 0
 
 
-def test_the_density_warm_up_starts_where_the_selector_needs_it():
-    """The random selectors fall from 1, as before (bit for bit); top-k and shared top-k from 0.1."""
-    block = SparsifyState(density=0.01, density_warmup_steps=1000)
-    assert block.density_warmup_start == 1.0
-    assert [block.density_at(s) for s in range(0, 1001, 7)] == [max(0.01, 0.01 ** (s / 1000))
-                                                                for s in range(0, 1001, 7)]
-    for method, aggregation in (("topk", "allgather"), ("shared_topk", "allreduce")):
+def test_the_density_warm_up_falls_from_its_start():
+    """From 1 by default, for every selector, as before the start was an option (bit for bit)."""
+    for method, aggregation in (("random_block", "allreduce"), ("topk", "allgather"), ("shared_topk", "allreduce")):
         state = SparsifyState(method=method, aggregation=aggregation, density=0.01)
-        assert state.density_warmup_start == 0.1
-        assert state.density_at(0) == pytest.approx(0.1) and state.density_at(500) == pytest.approx(0.1 ** 1.5)
-        assert state.density_at(1000) == 0.01
-    chosen = SparsifyState(method="randomk", density=0.01, density_warmup_start=0.25, density_warmup_steps=100)
-    assert chosen.density_at(0) == 0.25 and chosen.density_at(50) == pytest.approx(0.05)
+        assert state.density_warmup_start == 1.0
+        assert [state.density_at(s) for s in range(0, 1001, 7)] == [max(0.01, 0.01 ** (s / 1000))
+                                                                    for s in range(0, 1001, 7)]
+    chosen = SparsifyState(method="shared_topk", density=0.01, density_warmup_start=0.1)
+    assert chosen.density_at(0) == pytest.approx(0.1) and chosen.density_at(500) == pytest.approx(0.1 ** 1.5)
+    assert chosen.density_at(1000) == 0.01
+    short = SparsifyState(method="randomk", density=0.01, density_warmup_start=0.25, density_warmup_steps=100)
+    assert short.density_at(0) == 0.25 and short.density_at(50) == pytest.approx(0.05)
     # a start at or below the density is no warm-up
-    assert SparsifyState(method="topk", aggregation="allgather", density=0.2).density_at(0) == 0.2
+    assert SparsifyState(density=0.2, density_warmup_start=0.1).density_at(0) == 0.2
     with pytest.raises(ValueError, match=r"`density_warmup_start` must be a float in \(0, 1\], got 1.5.*first step"):
         SparsifyState(density_warmup_start=1.5)
 
 
-def test_a_state_saved_before_the_warm_up_start_existed_resumes_and_another_start_is_refused(caplog):
-    sd = SparsifyState(method="shared_topk").state_dict()
+def test_a_state_saved_before_the_warm_up_start_existed_resumes_as_from_1_and_another_start_is_refused():
+    sd = SparsifyState(method="shared_topk", density_warmup_start=0.1).state_dict()
     assert sd["config"]["density_warmup_start_bits"] == float_to_bits(0.1)
     with pytest.raises(ValueError, match=r"differing: density_warmup_start\).*density_warmup_start=0.1.*but this "
                                          r"SparsifyState has .*density_warmup_start=1"):
-        SparsifyState(method="shared_topk", density_warmup_start=1.0).load_state_dict(sd)
-    del sd["config"]["density_warmup_start_bits"]
-    state = SparsifyState(method="shared_topk")
-    with caplog.at_level("WARNING", logger="ddp_hooks.sparsify.state"):
-        state.load_state_dict(sd)
-    assert "saved before density_warmup_start existed; it resumes with density_warmup_start=0.1" in caplog.text
+        SparsifyState(method="shared_topk").load_state_dict(sd)
+    older = SparsifyState(method="shared_topk").state_dict()
+    del older["config"]["density_warmup_start_bits"]  # saved before the option: its warm-up fell from 1
+    SparsifyState(method="shared_topk").load_state_dict(older)
+    with pytest.raises(ValueError, match=r"differing: density_warmup_start\)"):
+        SparsifyState(method="shared_topk", density_warmup_start=0.1).load_state_dict(older)
 
 
 def test_block_size_matters_to_random_block_only_when_loading():

@@ -21,9 +21,6 @@ know (so the exchange never compares names):
   once every ``1 / density`` steps with all it gathered; the optimizer's
   momentum applied per step multiplies those bursts and is warned about
   (:func:`~ddp_hooks.check_optimizer`).
-* ``warmup_start_density``: the density its density warm-up starts from
-  when ``density_warmup_start`` is left at ``None``: 1 for the random
-  selectors, 0.1 for the top-k ones.
 * ``code``: the int a checkpoint stores for it; never reused, so adding or
   reordering selectors cannot change what a saved state means.
 * ``communicates``: it agrees on positions through collectives of its own
@@ -181,7 +178,6 @@ class Selector:
     communicates: ClassVar[bool] = False
     reads_values: ClassVar[bool] = False
     leaves_at_random_times: ClassVar[bool] = False
-    warmup_start_density: ClassVar[float] = 1.0
     #: the options of its own that :meth:`from_options` reads (``block_size``): a checkpoint's other
     #: selectors' options cannot matter to it, so loading ignores them
     own_options: ClassVar[Tuple[str, ...]] = ()

@@ -88,7 +88,6 @@ class SharedTopK(Selector):
     aggregation_reason = ("every rank sends at its unit's leader's positions, which are shared, so the values "
                           "are summed by AllReduce; AllGather would only send them W - 1 more times")
     reads_values = True
-    warmup_start_density = 0.1
     communicates = True
 
     def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:

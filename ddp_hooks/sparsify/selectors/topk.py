@@ -198,7 +198,6 @@ class TopK(Selector):
                           "summed")
     positions_travel = True
     reads_values = True
-    warmup_start_density = 0.1
 
     def choose(self, request: SelectionRequest, ks: Tuple[int, ...]) -> torch.Tensor:
         units = request.units
