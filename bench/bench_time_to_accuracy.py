@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(REPO, "recipes"))
 
 from tta_language import LM_SPARSE_CURVES, lm_report, lm_step_time_plan  # noqa: E402
 from bench_models import FASHION_MNIST_MODELS  # noqa: E402
-from tta_plan import BANDWIDTHS, MODEL, curve_methods, step_time_plan  # noqa: E402
+from tta_plan import BANDWIDTHS, MODEL, curve_methods, step_time_plan, warmup_candidates  # noqa: E402
 from tta_report import plot, read_curves, report, target_of  # noqa: E402
 from tta_training import steps_per_epoch, train_curve  # noqa: E402
 
@@ -57,10 +57,12 @@ PARTS = ("curves", "step-times", "wall-clock", "lm-step-times")
 
 
 def chosen_methods(args) -> list:
-    """The plan's curve methods, or those of ``--only`` (an unknown label is refused, with the plan's labels)."""
+    """The plan's curve methods, or those of ``--only``, which may also name the warm-up candidates (an unknown
+    label is refused, with the plan's labels)."""
     methods = curve_methods(args.quick)
     if not args.only:
         return methods
+    methods += warmup_candidates()
     unknown = sorted(set(args.only) - {m.label for m in methods})
     if unknown:
         raise SystemExit(f"--only: {unknown} not in the plan; its labels: {[m.label for m in methods]}")
@@ -93,7 +95,7 @@ def run_step_times_part(args, path: str, language: bool = False) -> None:
 
     plan = (lm_step_time_plan(args.rounds) if language
             else step_time_plan(chosen_methods(args), args.rounds, args.model))
-    run_step_times(plan, path, args.command)
+    run_step_times(plan, path, args.command, append=args.append)
     print(f"step times: {path}", flush=True)
 
 
@@ -170,7 +172,8 @@ def parse_args(argv=None):
                    help="wall-clock: the methods (labels of the curves) to train on the cluster")
     p.add_argument("--wall-bandwidths", nargs="+", default=list(BANDWIDTHS), choices=BANDWIDTHS,
                    help="wall-clock: the bandwidths (default both)")
-    p.add_argument("--append", action="store_true", help="curves, wall-clock: add to the results file, not replace it")
+    p.add_argument("--append", action="store_true",
+                   help="curves, wall-clock, step-times: add to the results file, not replace it")
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation and data order (default 0)")
     p.add_argument("--step-times", default=None,
                    help="--report: the step times to multiply the curves by (default: the results' own); "

@@ -34,11 +34,14 @@ from tta_training import BATCH  # noqa: E402
 __all__ = ["run_step_times", "run_wall_clock"]
 
 
-def run_step_times(plan: List[Run], path: str, command: str, steps: int = 8, min_window_s: float = 3.0) -> None:
-    """Time every row of ``plan`` on :data:`HOSTS` hosts; JSON lines to ``path``, tables beside."""
+def run_step_times(plan: List[Run], path: str, command: str, steps: int = 8, min_window_s: float = 3.0,
+                   append: bool = False) -> None:
+    """Time every row of ``plan`` on :data:`HOSTS` hosts; JSON lines to ``path`` (``append``: after those there,
+    so a row measured in both runs gets the median of all their rounds), tables beside."""
     settings = argparse.Namespace(steps=steps, min_window=min_window_s, batch=BATCH, image_size=28, timeout=600.0,
                                   out=os.path.abspath(path))
-    open(path, "w").close()
+    if not append:
+        open(path, "w").close()
     start = time.perf_counter()
     with Cluster(HOSTS) as cluster:
         run_host_count(cluster, HOSTS, plan, settings, PORT)

@@ -20,7 +20,7 @@ report integrates the step time over the warm-up (``tta_report``).
     >>> [m.label for m in curve_methods(quick=True)]
     ['allreduce hook', 'random-block d=0.01']
     >>> len(step_time_methods(curve_methods())), training_args(ADAGRAD_METHODS[0]).eps
-    (35, 1.0)
+    (44, 1.0)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ddp_hooks.sparsify import SparsifyOptions
 
 __all__ = ["MODEL", "HOSTS", "BANDWIDTHS", "DENSITY_GRID", "SGD", "ADAGRAD", "ADAGRAD_METHODS", "curve_methods",
            "step_time_methods", "step_time_plan", "training_args", "learning_rate", "method_key", "warmup_variants",
-           "value_dtype_variants", "with_values", "sparsify_options"]
+           "value_dtype_variants", "warmup_candidates", "with_values", "sparsify_options"]
 
 MODEL = "fmnist-cnn"
 HOSTS = 4
@@ -69,6 +69,23 @@ def warmup_variants() -> List[Method]:
     shared = _labelled(sparsifier("shared_topk", 0.01, "layer", "allreduce"))
     return [replace(block, label=f"{block.label} warm-up {steps}", density_warmup=steps) for steps in (250, 0)] + [
         replace(shared, label=f"{shared.label} warm-up 0", density_warmup=0)]
+
+
+def warmup_candidates() -> List[Method]:
+    """Shared top-k and top-k with other density warm-ups than the default (1000 steps from density 1): the
+    candidates for a cheaper one. Not in :func:`curve_methods`; ``--only`` picks them by label."""
+    def variant(method, steps, start):
+        return replace(method, label=f"{method.label} warm-up {steps} from {start:g}", density_warmup=steps,
+                       density_warmup_start=start)
+
+    shared = {(d, dtype): with_values(_labelled(sparsifier("shared_topk", d, "layer", "allreduce")), dtype)
+              for d in (0.01, 0.05) for dtype in (None, "float16")}
+    low = shared[0.01, None]
+    return ([variant(method, 1000, 0.1) for method in shared.values()]
+            + [variant(_labelled(sparsifier("topk", 0.01, "layer", "allgather")), 1000, 0.1)]
+            + [variant(low, steps, 1.0) for steps in (100, 300)]
+            + [variant(low, steps, 0.1) for steps in (300, 500)]
+            + [variant(low, 300, 0.25), variant(low, 1000, 0.05)])
 
 
 def value_dtype_variants() -> List[Method]:
@@ -137,9 +154,9 @@ def _step_time_rows(curves: List[Method]) -> List[Method]:
 
 def sparsify_options(method: Method) -> SparsifyOptions:
     """The hook options a sparsifier of the plan trains with (its density warm-up: None, the default)."""
+    start = {} if method.density_warmup_start is None else {"density_warmup_start": method.density_warmup_start}
     return SparsifyOptions(method=method.method, density=method.density, aggregation=method.aggregation,
-                           density_warmup_steps=method.density_warmup,
-                           density_warmup_start=method.density_warmup_start, value_dtype=method.value_dtype)
+                           density_warmup_steps=method.density_warmup, value_dtype=method.value_dtype, **start)
 
 
 def step_time_plan(curves: List[Method], rounds: int = 1, model: str = MODEL) -> List[Run]:

@@ -33,14 +33,15 @@ def test_step_time_rows_cover_each_selector_down_to_its_lowest_density():
     rows = tta_plan.step_time_methods(tta_plan.curve_methods())
     assert rows[0].label == NOOP.label and len(set(rows)) == len(rows)
     grid = [0.01, 0.05, 0.1, 0.2, 0.3, 0.99]
-    for name in ("randomk", "random_block"):  # their density warm-up starts at 1: the whole grid
+    for name in ("topk", "randomk", "random_block", "shared_topk"):  # each density warm-up starts at 1
         assert sorted(r.density for r in rows if r.method == name and r.value_dtype is None) == grid
-    for name in ("topk", "shared_topk"):  # theirs at 0.1: up to the grid's 0.1
-        assert sorted(r.density for r in rows if r.method == name and r.value_dtype is None) == grid[:3]
     # values sent as float16 change the step time: the variant is timed over the grid as a selector of its own
     halves = [r for r in rows if r.value_dtype == "float16"]
-    assert sorted(r.density for r in halves) == sorted(grid + grid[:3])
+    assert sorted(r.density for r in halves) == sorted(grid * 2)
     assert {r.method for r in halves} == {"random_block", "shared_topk"}
+    # a warm-up from 0.1 is timed up to the grid's 0.1 only
+    low = [m for m in tta_plan.warmup_candidates() if m.label == "shared top-k d=0.01 warm-up 1000 from 0.1"]
+    assert [r.density for r in tta_plan.step_time_methods(low)[1:]] == [0.1, 0.05, 0.01]
     assert len({tta_plan.method_key(r) for r in halves} & {tta_plan.method_key(r) for r in rows if r not in halves}) == 0
     assert not any(r.hook == "sparsify" and r.label.endswith("d=0.01") for r in rows)  # grid rows: plain labels
     quick = tta_plan.step_time_methods(tta_plan.curve_methods(quick=True))
@@ -117,6 +118,7 @@ def test_top_k_warmup_interpolates_each_side_of_its_turn_to_allreduce_apart():
 
 def test_warmup_variants_train_and_are_timed_with_their_own_density_warmup():
     short, none, shared_none = tta_plan.warmup_variants()
+    assert all(m not in tta_plan.curve_methods() for m in tta_plan.warmup_candidates())
     assert (short.label, none.label) == ("random-block d=0.01 warm-up 250", "random-block d=0.01 warm-up 0")
     assert (shared_none.method, shared_none.density_warmup) == ("shared_topk", 0)
     assert short in tta_plan.curve_methods() and none in tta_plan.curve_methods()
@@ -129,7 +131,7 @@ def test_warmup_variants_train_and_are_timed_with_their_own_density_warmup():
                    for s in range(250))
     assert times.seconds("1gbit", short, 300) == pytest.approx(expected + 50 * 0.15)
     # the warm-up variants add curves, not cluster rows (each selector's float16-values variant adds its grid)
-    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 26 + 6 + 3
+    assert len(tta_plan.step_time_methods(tta_plan.curve_methods())) == 26 + 6 + 6 + 6
 
 
 def _curve(label, method, accuracies, step=100):
@@ -303,3 +305,13 @@ def test_report_of_another_seed_takes_the_main_runs_step_times(tmp_path):
     with open(prefix + ".md") as f:
         text = f.read()
     assert "| random-block d=0.01 float16 values | 0.102 |" in text and "(not timed)" not in text
+
+
+def test_only_picks_plan_methods_and_warmup_candidates_and_refuses_other_labels():
+    import bench_time_to_accuracy
+
+    args = bench_time_to_accuracy.parse_args(["--only", "allreduce hook", "shared top-k d=0.01 warm-up 1000 from 0.1"])
+    assert [m.label for m in bench_time_to_accuracy.chosen_methods(args)] == [
+        "allreduce hook", "shared top-k d=0.01 warm-up 1000 from 0.1"]
+    with pytest.raises(SystemExit, match=r"--only: \['no such method'\] not in the plan"):
+        bench_time_to_accuracy.chosen_methods(bench_time_to_accuracy.parse_args(["--only", "no such method"]))
