@@ -133,4 +133,5 @@ def test_the_public_names_stay_where_users_import_them():
     assert list(inspect.signature(ddp_hooks.SparsifyState).parameters) == [
         "process_group", "method", "density", "scope", "aggregation", "error_feedback", "warmup_steps", "seed",
         "momentum", "weight_decay", "grad_scaler", "block_size", "optimizer_momentum", "density_warmup_steps",
-        "error_feedback_beta", "value_dtype", "nodes"]  # new options go last: positional calls keep working
+        "error_feedback_beta", "value_dtype", "nodes",
+        "density_warmup_start"]  # new options go last: positional calls keep working

@@ -157,9 +157,9 @@ class SparsifyOptions:
     block_size: int = 4
     optimizer_momentum: str = "auto"
     density_warmup_steps: Optional[int] = None
-    density_warmup_start: float = 1.0
     error_feedback_beta: float = 1.0
     value_dtype: Optional[Union[str, torch.dtype]] = None
+    density_warmup_start: float = 1.0
     selector: Selector = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

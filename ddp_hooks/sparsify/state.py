@@ -131,10 +131,10 @@ class SparsifyState:
         block_size: int = 4,
         optimizer_momentum: str = "auto",
         density_warmup_steps: Optional[int] = None,
-        density_warmup_start: float = 1.0,
         error_feedback_beta: float = 1.0,
         value_dtype: Optional[Union[str, torch.dtype]] = None,
         nodes: NodeSpec = None,
+        density_warmup_start: float = 1.0,
     ) -> None:
         check_process_group("process_group", process_group)
         self.nodes = check_node_spec(nodes)
