@@ -54,7 +54,7 @@ class Method:
     # sparsifiers, when trained (the time-to-accuracy curves): the density warm-up's steps, None for the default;
     # step times are always taken at a constant density
     density_warmup: Optional[int] = None
-    density_warmup_start: Optional[float] = None  # where that warm-up starts (None: the selector's default)
+    density_warmup_start: Optional[float] = None  # where that warm-up starts (None: the default, 1)
     value_dtype: Optional[str] = None  # sparsifiers: the dtype values travel in (None: the gradient's)
     # Local AdaAlter: what a synchronisation sends (the recipe's --sync, --sync-density, --compress-accumulators)
     sync: str = "dense"

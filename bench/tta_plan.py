@@ -153,10 +153,11 @@ def _step_time_rows(curves: List[Method]) -> List[Method]:
 
 
 def sparsify_options(method: Method) -> SparsifyOptions:
-    """The hook options a sparsifier of the plan trains with (its density warm-up: None, the default)."""
-    start = {} if method.density_warmup_start is None else {"density_warmup_start": method.density_warmup_start}
+    """The hook options a sparsifier of the plan trains with (its density warm-up's steps and start: None, the
+    defaults)."""
     return SparsifyOptions(method=method.method, density=method.density, aggregation=method.aggregation,
-                           density_warmup_steps=method.density_warmup, value_dtype=method.value_dtype, **start)
+                           density_warmup_steps=method.density_warmup,
+                           density_warmup_start=method.density_warmup_start, value_dtype=method.value_dtype)
 
 
 def step_time_plan(curves: List[Method], rounds: int = 1, model: str = MODEL) -> List[Run]:

@@ -212,8 +212,8 @@ def report(curves_path: str, step_times_path: str, walls: Sequence[dict] = ()) -
     times = StepTimes(records)
     target = target_of(results)
     lines = [f"$ {header['command']}", f"$ {run['command'] if run else '(step times: no run line)'}", "",
-             f"Fashion-MNIST, {_model_text(header.get('model', MODEL))}, {header['world']} ranks, {header['train']} training "
-             f"images, {header['epochs']} epochs, evaluated every {header['eval_every']} steps on the 10,000 test "
+             f"Fashion-MNIST, {_model_text(header.get('model', MODEL))}, {header['world']} ranks, "
+             f"{header['train']} training images, {header['epochs']} epochs, evaluated every {header['eval_every']} steps on the 10,000 test "
              "images. Times to target are products: steps from the curves (loopback) times step times on the "
              "simulated cluster (4 hosts sharing this machine's cores).", ""]
     for bandwidth in BANDWIDTHS:

@@ -237,13 +237,12 @@ def build_exchange(args, process_group: Optional[dist.ProcessGroup] = None, grad
         from ddp_hooks import SparsifyState, sparsify_hook
 
         # build_optimizer pairs SGD with this state as ddp_hooks.build_sparsify_sgd does (paired_sgd).
-        warmup_start = getattr(args, "density_warmup_start", None)  # None: the hook's default
         state = SparsifyState(
             process_group=process_group, method=args.method, density=args.density, scope=args.scope,
             aggregation=args.aggregation, error_feedback=not args.no_error_feedback,
             warmup_steps=warmup, seed=args.hook_seed, grad_scaler=grad_scaler, block_size=args.block_size,
             density_warmup_steps=args.density_warmup_steps,
-            density_warmup_start=1.0 if warmup_start is None else warmup_start, value_dtype=args.value_dtype,
+            density_warmup_start=getattr(args, "density_warmup_start", None), value_dtype=args.value_dtype,
             nodes=getattr(args, "nodes", None),
         )
         return Exchange("sparsify", state, sparsify_hook, sent_counter=lambda s: s.stats()["bytes_sent"])

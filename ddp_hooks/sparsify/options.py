@@ -31,7 +31,7 @@ from .._internal.validation import check_bool, check_choice, check_float, check_
 from .selectors import Selector, selector_by_code, selector_class, selector_names
 
 __all__ = ["SparsifyOptions", "SCOPE_CODES", "AGGREGATION_CODES", "OPTIMIZER_MOMENTUM_CODES", "VALUE_DTYPE_CODES",
-           "DEFAULT_DENSITY_WARMUP_STEPS"]
+           "DEFAULT_DENSITY_WARMUP_STEPS", "DEFAULT_DENSITY_WARMUP_START"]
 
 # Checkpoint codes: explicit and never reused, so reordering or adding choices cannot change what a saved
 # state means. (A selector's code is its class attribute `code`.)
@@ -41,6 +41,7 @@ OPTIMIZER_MOMENTUM_CODES = {"auto": 0, "sends": 1, "steps": 2}
 VALUE_DTYPE_CODES = {"auto": 0, "float16": 1, "bfloat16": 2, "float32": 3}  # "auto": the gradient's own dtype
 #: ``density_warmup_steps`` when none is given (measured: bench/README.md, "Convergence on real images").
 DEFAULT_DENSITY_WARMUP_STEPS = 1000
+DEFAULT_DENSITY_WARMUP_START = 1.0
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -85,11 +86,11 @@ class SparsifyOptions:
             settle. It costs about
             ``density_warmup_steps * (s0 - d) / ln(s0 / d)`` dense steps'
             bytes in all, and needs no knowledge of the run's length.
-        density_warmup_start (float): in (0, 1] (1): where that fall
-            starts. A lower start costs fewer bytes (the formula above) and
-            may cost accuracy: measured in bench/README.md, "Shared top-k and
-            the warm-up's bytes". A start at or below ``density`` turns the
-            warm-up off.
+        density_warmup_start (float): in (0, 1], or ``None`` (the default):
+            1. Where that fall starts. A lower start costs fewer bytes (the
+            formula above) and may cost accuracy: measured in
+            bench/README.md, "Shared top-k and the warm-up's bytes". A start
+            at or below ``density`` turns the warm-up off.
         error_feedback_beta (float): in (0, 1] (1). Below 1, a low-pass
             filter on the error-feedback memory, after ScaleCom (Chen et al.,
             NeurIPS 2020): ``e_{t+1} = (1 - beta) e_t + beta (p_t - c_t)``,
@@ -159,7 +160,7 @@ class SparsifyOptions:
     density_warmup_steps: Optional[int] = None
     error_feedback_beta: float = 1.0
     value_dtype: Optional[Union[str, torch.dtype]] = None
-    density_warmup_start: float = 1.0
+    density_warmup_start: Optional[float] = None
     selector: Selector = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -180,6 +181,8 @@ class SparsifyOptions:
             set_("density_warmup_steps", DEFAULT_DENSITY_WARMUP_STEPS)
         check_int("density_warmup_steps", self.density_warmup_steps, 0,
                   "the number of steps over which the density falls to `density`")
+        if self.density_warmup_start is None:  # as density_warmup_steps: None is the default
+            set_("density_warmup_start", DEFAULT_DENSITY_WARMUP_START)
         set_("density_warmup_start", check_float(
             "density_warmup_start", self.density_warmup_start, 0.0, 1.0, low_open=True,
             reason="it is the fraction of entries sent at the first step of the density warm-up"))

@@ -51,7 +51,7 @@ class SparsifyState:
         error_feedback (bool): keep what was not sent and add it next step (True).
         warmup_steps (int): plain allreduce for the first ``warmup_steps`` steps (0).
         density_warmup_steps (int): steps over which the density falls to ``density`` (``None``: 1000).
-        density_warmup_start (float): the density the warm-up falls from, in (0, 1] (1).
+        density_warmup_start (float): the density the warm-up falls from, in (0, 1] (``None``: 1).
         seed (int): seed of the random selectors (0).
         block_size (int): ``random_block``'s entries per block (4).
         momentum, weight_decay (float): the hook's own momentum and weight decay (0, 0).
@@ -134,7 +134,7 @@ class SparsifyState:
         error_feedback_beta: float = 1.0,
         value_dtype: Optional[Union[str, torch.dtype]] = None,
         nodes: NodeSpec = None,
-        density_warmup_start: float = 1.0,
+        density_warmup_start: Optional[float] = None,
     ) -> None:
         check_process_group("process_group", process_group)
         self.nodes = check_node_spec(nodes)

@@ -351,6 +351,8 @@ def test_the_density_warm_up_falls_from_its_start():
     for method, aggregation in (("random_block", "allreduce"), ("topk", "allgather"), ("shared_topk", "allreduce")):
         state = SparsifyState(method=method, aggregation=aggregation, density=0.01)
         assert state.density_warmup_start == 1.0
+        assert SparsifyState(method=method, aggregation=aggregation,
+                             density_warmup_start=None).density_warmup_start == 1.0
         assert [state.density_at(s) for s in range(0, 1001, 7)] == [max(0.01, 0.01 ** (s / 1000))
                                                                     for s in range(0, 1001, 7)]
     chosen = SparsifyState(method="shared_topk", density=0.01, density_warmup_start=0.1)
